@@ -1,0 +1,155 @@
+"""One Config: every timeout, interval, bound and default of peerd, in one place.
+
+Values come from, lowest precedence first: the defaults below, a TOML file (`--config FILE`,
+top-level keys named as the fields), `PEERD_<FIELD>` environment variables, then command-line
+flags (`--field-name`). `peerd up --help` lists every field with its default and unit; the CLI
+builds those flags from this dataclass, so a new bound added here is documented automatically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def default_data_dir() -> str:
+    """Where `peerd up` and `peerd status` look when --data-dir is not given."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "peerd")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    # --- identity and addresses -------------------------------------------------------------
+    listen: str = _f("127.0.0.1:7070", "HOST:PORT where the Peer service listens (0.0.0.0 for all interfaces)")
+    advertise_address: str = _f("", "HOST:PORT other daemons should dial; default: the listen address, "
+                                    "or the source address peers see when listening on 0.0.0.0")
+    data_dir: str = _f("", "directory for node id, control socket, checkpoints and logs "
+                           "(default: $XDG_DATA_HOME/peerd or ~/.local/share/peerd)")
+    run_id: str = _f("default", "training run this daemon belongs to; daemons of other runs are refused")
+    peers: tuple[str, ...] = _f((), "seed peer HOST:PORT to contact (repeatable)", flag="peer", multiple=True)
+    secret_file: str = _f("", "file holding the cluster secret (or set PEERD_SECRET)")
+    tls_cert: str = _f("", "PEM certificate for TLS on the Peer service (optional, for WANs)")
+    tls_key: str = _f("", "PEM private key matching --tls-cert")
+    tls_ca: str = _f("", "PEM CA bundle that signs every daemon's certificate")
+    event_loop: str = _f("auto", "asyncio loop: auto (uvloop when importable), uvloop, asyncio",
+                         choices=("auto", "uvloop", "asyncio"))
+    log_level: str = _f("info", "log level: debug, info, warning, error")
+
+    # --- membership and failure detection (seconds) ---------------------------------------------
+    heartbeat_interval: float = _f(1.0, "seconds between heartbeats to each peer")
+    suspect_after: float = _f(3.0, "seconds without direct contact before a peer is suspect")
+    dead_after: float = _f(6.0, "seconds without direct contact before a peer is dead")
+    rpc_timeout: float = _f(2.0, "deadline of one control-plane RPC to a peer (Hello, Heartbeat, Ping, Leave)")
+    connect_retry_max: float = _f(10.0, "longest back-off between attempts to reach an unanswering or dead peer")
+    forget_dead_after: float = _f(3600.0, "seconds after which a dead peer is dropped from the table")
+    max_peers: int = _f(1024, "most peers kept in the table (gossip beyond this is ignored)")
+    leave_timeout: float = _f(1.0, "seconds spent telling peers we leave, at shutdown")
+    shutdown_grace: float = _f(1.0, "seconds in-flight RPCs get at shutdown")
+
+    # --- authentication ---------------------------------------------------------------------
+    auth_max_skew: float = _f(30.0, "largest clock difference accepted on an authenticated RPC, seconds")
+    auth_replay_cache: int = _f(100_000, "nonces remembered to refuse replays (bounded memory)")
+    auth_log_every: float = _f(60.0, "seconds between repeated log lines about one refused source")
+
+    # --- message limits -----------------------------------------------------------------------
+    max_control_message_bytes: int = _f(4 * 1024 * 1024, "largest control-plane message accepted, bytes")
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir or default_data_dir()).expanduser()
+
+    @property
+    def control_socket(self) -> Path:
+        return self.data_path / "peerd.sock"
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the field and the source."""
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    f = FIELDS[name]
+    default = f.default
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
+                    raise ValueError(value)
+                return low in {"1", "true", "yes", "on"}
+            return bool(value)
+        if isinstance(default, tuple):
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            return tuple(str(v) for v in value)
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            out = float(value)
+            if out != out or out < 0:
+                raise ValueError(value)
+            return out
+        out = str(value)
+        choices = f.metadata.get("choices")
+        if choices and out not in choices:
+            raise ValueError(value)
+        return out
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: bad value {value!r} for {name} ({f.metadata['help']})") from None
+
+
+def load(file: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+         overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults < TOML file < PEERD_* environment < overrides (flags); unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in FIELDS:
+                raise ConfigError(f"config file {path}: unknown setting {key!r}")
+            values[name] = _coerce(name, value, f"config file {path}")
+    env = os.environ if env is None else env
+    for name in FIELDS:
+        var = f"PEERD_{name.upper()}"
+        if var in env and env[var] != "":
+            values[name] = _coerce(name, env[var], f"environment {var}")
+    for name, value in (overrides or {}).items():
+        if value is None or (isinstance(value, tuple) and not value):
+            continue
+        values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    if not cfg.suspect_after < cfg.dead_after:
+        raise ConfigError(f"suspect_after ({cfg.suspect_after}) must be below dead_after ({cfg.dead_after})")
+    if cfg.heartbeat_interval <= 0 or cfg.heartbeat_interval >= cfg.suspect_after:
+        raise ConfigError(f"heartbeat_interval ({cfg.heartbeat_interval}) must be >0 and below "
+                          f"suspect_after ({cfg.suspect_after})")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ConfigError("tls_cert and tls_key must be given together")
+    for addr_field in ("listen",):
+        host, sep, port = getattr(cfg, addr_field).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError(f"{addr_field}: expected HOST:PORT, got {getattr(cfg, addr_field)!r}")

@@ -1,0 +1,197 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("node_id", "address", "state", "last_heartbeat_age_s", "rtt_ms", "incarnation", "device_kind", "direct")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    state: str
+    last_heartbeat_age_s: float
+    rtt_ms: float
+    incarnation: int
+    device_kind: str
+    direct: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEERD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_LOOP_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    run_id: str
+    uptime_s: float
+    protocol_version: int
+    peerd_version: str
+    event_loop: str
+    incarnation: int
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    data_dir: str
+    tls: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class LayoutEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("run_id", "layout", "total_bytes", "optimizer", "pid")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    layout: _containers.RepeatedCompositeFieldContainer[LayoutEntry]
+    total_bytes: int
+    optimizer: str
+    pid: int
+    def __init__(self, run_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[LayoutEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., optimizer: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("node_id", "session_id", "slot_paths", "start_iteration")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
+    START_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session_id: str
+    slot_paths: _containers.RepeatedScalarFieldContainer[str]
+    start_iteration: int
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("session_id", "iteration", "slot", "seq")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    iteration: int
+    slot: int
+    seq: int
+    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MixRequest(_message.Message):
+    __slots__ = ("session_id", "iteration", "slot")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    iteration: int
+    slot: int
+    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class MixEntry(_message.Message):
+    __slots__ = ("src", "iteration", "weight")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    iteration: int
+    weight: float
+    def __init__(self, src: _Optional[str] = ..., iteration: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class MixReply(_message.Message):
+    __slots__ = ("iteration", "entries", "skip_to")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TO_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    entries: _containers.RepeatedCompositeFieldContainer[MixEntry]
+    skip_to: int
+    def __init__(self, iteration: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[MixEntry, _Mapping]]] = ..., skip_to: _Optional[int] = ...) -> None: ...
+
+class Metric(_message.Message):
+    __slots__ = ("session_id", "iteration", "loss", "samples", "step_time_s", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    iteration: int
+    loss: float
+    samples: int
+    step_time_s: float
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_time_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MetricAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DirectivesRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("kind", "iteration", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Directive.Kind]
+        KIND_SKIP_TO: _ClassVar[Directive.Kind]
+        KIND_PAUSE: _ClassVar[Directive.Kind]
+        KIND_RESUME: _ClassVar[Directive.Kind]
+        KIND_CHECKPOINT: _ClassVar[Directive.Kind]
+        KIND_STOP: _ClassVar[Directive.Kind]
+    KIND_UNSPECIFIED: Directive.Kind
+    KIND_SKIP_TO: Directive.Kind
+    KIND_PAUSE: Directive.Kind
+    KIND_RESUME: Directive.Kind
+    KIND_CHECKPOINT: Directive.Kind
+    KIND_STOP: Directive.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: Directive.Kind
+    iteration: int
+    reason: str
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., iteration: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PeerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PEER_STATE_UNSPECIFIED: _ClassVar[PeerState]
+    PEER_STATE_ALIVE: _ClassVar[PeerState]
+    PEER_STATE_SUSPECT: _ClassVar[PeerState]
+    PEER_STATE_DEAD: _ClassVar[PeerState]
+    PEER_STATE_LEFT: _ClassVar[PeerState]
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_FP16: _ClassVar[Compression]
+    COMPRESSION_BF16: _ClassVar[Compression]
+PEER_STATE_UNSPECIFIED: PeerState
+PEER_STATE_ALIVE: PeerState
+PEER_STATE_SUSPECT: PeerState
+PEER_STATE_DEAD: PeerState
+PEER_STATE_LEFT: PeerState
+COMPRESSION_NONE: Compression
+COMPRESSION_FP16: Compression
+COMPRESSION_BF16: Compression
+
+class Capabilities(_message.Message):
+    __slots__ = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version")
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    GPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PEERD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    device_kind: str
+    gpu_name: str
+    gpu_memory_bytes: int
+    step_time_s: float
+    cpu_count: int
+    peerd_version: str
+    def __init__(self, device_kind: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., peerd_version: _Optional[str] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("node_id", "protocol_version", "run_id", "address", "capabilities", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    protocol_version: int
+    run_id: str
+    address: str
+    capabilities: Capabilities
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("node", "peers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node: Hello
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, node: _Optional[_Union[Hello, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("node_id", "address", "run_id", "incarnation", "state", "last_seen_age_s", "capabilities")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    run_id: str
+    incarnation: int
+    state: PeerState
+    last_seen_age_s: float
+    capabilities: Capabilities
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ..., last_seen_age_s: _Optional[float] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("node_id", "incarnation", "seq", "peers", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    seq: int
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("node_id", "incarnation", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("nonce", "payload", "reply_bytes")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, nonce: _Optional[int] = ..., payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("nonce", "payload")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    payload: bytes
+    def __init__(self, nonce: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ("node_id", "incarnation", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("sender", "run_id", "iteration", "tensors", "total_bytes", "wire_bytes", "checksum_algo", "checksum", "compression", "transfer_id", "kind")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    iteration: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    wire_bytes: int
+    checksum_algo: str
+    checksum: int
+    compression: Compression
+    transfer_id: int
+    kind: str
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., transfer_id: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("data", "offset")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offset: int
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class TensorFrame(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class TransferReply(_message.Message):
+    __slots__ = ("transfer_id", "received_bytes", "seconds")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    received_bytes: int
+    seconds: float
+    def __init__(self, transfer_id: _Optional[int] = ..., received_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("requester", "run_id", "min_iteration", "compression", "kind")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    run_id: str
+    min_iteration: int
+    compression: Compression
+    kind: str
+    def __init__(self, requester: _Optional[str] = ..., run_id: _Optional[str] = ..., min_iteration: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class TokenGrant(_message.Message):
+    __slots__ = ("sender", "run_id", "tokens", "iteration")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    tokens: int
+    iteration: int
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., tokens: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class TokenReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
