@@ -57,6 +57,34 @@ class StatusReply(_message.Message):
     tls: bool
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
 
+class LinksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinksReply(_message.Message):
+    __slots__ = ("node_id", "links")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    def __init__(self, node_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("measurer", "target", "bandwidth_bps", "rtt_s", "age_s", "samples")
+    MEASURER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    measurer: str
+    target: str
+    bandwidth_bps: float
+    rtt_s: float
+    age_s: float
+    samples: int
+    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
 class LayoutEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]

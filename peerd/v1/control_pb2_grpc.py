@@ -39,6 +39,11 @@ class ControlStub:
                 request_serializer=peerd_dot_v1_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_control__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Links = channel.unary_unary(
+                '/peerd.v1.Control/Links',
+                request_serializer=peerd_dot_v1_dot_control__pb2.LinksRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.LinksReply.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/peerd.v1.Control/Attach',
                 request_serializer=peerd_dot_v1_dot_control__pb2.AttachRequest.SerializeToString,
@@ -70,6 +75,12 @@ class ControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Links(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +123,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=peerd_dot_v1_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_control__pb2.StatusReply.SerializeToString,
+            ),
+            'Links': grpc.unary_unary_rpc_method_handler(
+                    servicer.Links,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.LinksRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.LinksReply.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -166,6 +182,33 @@ class Control:
             '/peerd.v1.Control/Status',
             peerd_dot_v1_dot_control__pb2.StatusRequest.SerializeToString,
             peerd_dot_v1_dot_control__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Links(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Control/Links',
+            peerd_dot_v1_dot_control__pb2.LinksRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.LinksReply.FromString,
             options,
             channel_credentials,
             insecure,

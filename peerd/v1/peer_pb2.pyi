@@ -87,29 +87,53 @@ class PeerInfo(_message.Message):
     capabilities: Capabilities
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ..., last_seen_age_s: _Optional[float] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
+class LinkEntry(_message.Message):
+    __slots__ = ("measurer", "target", "bandwidth_bps", "bandwidth_spread_bps", "rtt_s", "rtt_spread_s", "samples", "age_s")
+    MEASURER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_SPREAD_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    measurer: str
+    target: str
+    bandwidth_bps: float
+    bandwidth_spread_bps: float
+    rtt_s: float
+    rtt_spread_s: float
+    samples: int
+    age_s: float
+    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., bandwidth_spread_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., samples: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id", "incarnation", "seq", "peers", "address")
+    __slots__ = ("node_id", "incarnation", "seq", "peers", "address", "links")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     seq: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     address: str
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., address: _Optional[str] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkEntry]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("node_id", "incarnation", "peers")
+    __slots__ = ("node_id", "incarnation", "peers", "links")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkEntry]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("nonce", "payload", "reply_bytes")
