@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from peerd.node.rpc import unary
+
 from peerd.v1 import control_pb2 as cpb
 
 if TYPE_CHECKING:
@@ -22,10 +24,7 @@ class ControlService:
         return self.d.links_message()
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        def uu(fn, req, resp):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=resp.SerializeToString)
         return {
-            "Status": uu(self.Status, cpb.StatusRequest, cpb.StatusReply),
-            "Links": uu(self.Links, cpb.LinksRequest, cpb.LinksReply),
+            "Status": unary(self.Status, cpb.StatusRequest, cpb.StatusReply),
+            "Links": unary(self.Links, cpb.LinksRequest, cpb.LinksReply),
         }

@@ -30,9 +30,11 @@ def rows_from_pb(peers) -> list[dict]:
              "state": PB_TO_STATE.get(p.state)} for p in peers]
 
 
-def split_host_port(address: str) -> tuple[str, int]:
+def split_host_port(address: str, allow_zero: bool = False) -> tuple[str, int]:
+    """("host", port) from "host:port" or "[v6]:port"; port 0 (any free port) only when allowed."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    lowest = 0 if allow_zero else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 

@@ -101,7 +101,7 @@ class Daemon:
         self._server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=grpc_options(cfg))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(PEER_SERVICE, PeerService(self).method_handlers()),))
-        host, port = split_host_port(cfg.listen)
+        host, port = split_host_port(cfg.listen, allow_zero=True)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             if cfg.tls_cert:

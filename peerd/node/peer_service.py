@@ -12,6 +12,7 @@ import grpc
 
 from peerd import PROTOCOL_VERSION
 from peerd.net.auth import NODE_KEY, NONCE_KEY, REPLY_MAC_KEY
+from peerd.node.rpc import unary
 from peerd.node.convert import caps_from_pb, is_unspecified, rows_from_pb, split_host_port
 from peerd.v1 import peer_pb2 as pb
 
@@ -101,14 +102,11 @@ class PeerService:
         return pb.LeaveReply()
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        def uu(fn, req, resp):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=resp.SerializeToString)
         return {
-            "SayHello": uu(self.SayHello, pb.Hello, pb.HelloReply),
-            "SendHeartbeat": uu(self.SendHeartbeat, pb.Heartbeat, pb.HeartbeatReply),
-            "Ping": uu(self.Ping, pb.PingRequest, pb.PingReply),
-            "SayLeave": uu(self.SayLeave, pb.Leave, pb.LeaveReply),
+            "SayHello": unary(self.SayHello, pb.Hello, pb.HelloReply),
+            "SendHeartbeat": unary(self.SendHeartbeat, pb.Heartbeat, pb.HeartbeatReply),
+            "Ping": unary(self.Ping, pb.PingRequest, pb.PingReply),
+            "SayLeave": unary(self.SayLeave, pb.Leave, pb.LeaveReply),
         }
 
 
