@@ -8,7 +8,7 @@ B are written to A at once (the far side's own wire delays its outgoing traffic)
 (ARP, IPv6) and unlisted destinations pass without delay.
 
 Frames to one destination share one FIFO, so they are never reordered; one timer per FIFO fires
-at its head's due time. The TAPs vanish when the process exits, so killing it undoes it.
+at its head's due time (and re-arms if it fired early). The TAPs vanish when the process exits, so killing it undoes it.
 
 Spec (JSON, argv[1]): {"a": TAPNAME, "b": TAPNAME, "out": {IPV4: [delay_s, loss], ...},
 "max_bytes": N}. Prints "ready" on stdout once both TAPs exist, then logs to stderr only.
@@ -25,6 +25,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
@@ -74,20 +75,21 @@ class Direction:
                 self.dropped += 1   # bound memory: more in flight than any sane rate*delay
                 continue
             fifo = self.fifos.setdefault(dst_ip, collections.deque())
-            due = self.loop.time() + delay
-            fifo.append((due, frame))
+            fifo.append((time.monotonic() + delay, frame))
             self.held += len(frame)
             if len(fifo) == 1:
-                self.loop.call_at(due, self.flush, fifo)
+                self.loop.call_later(delay, self.flush, fifo)
 
     def flush(self, fifo: collections.deque[tuple[float, bytes]]) -> None:
-        now = self.loop.time()
+        # Due times use time.monotonic(), not loop.time(): uvloop's clock is cached per iteration
+        # and millisecond-grained, and a timer may fire a little early; a frame never leaves early.
+        now = time.monotonic()
         while fifo and fifo[0][0] <= now:
             _, frame = fifo.popleft()
             self.held -= len(frame)
             _write(self.dst, frame)
         if fifo:
-            self.loop.call_at(fifo[0][0], self.flush, fifo)
+            self.loop.call_later(fifo[0][0] - now, self.flush, fifo)
 
 
 async def serve(spec: dict) -> None:

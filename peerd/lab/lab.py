@@ -306,12 +306,15 @@ def _wait_line(proc: subprocess.Popen, want: str, timeout: float, what: str, log
 
 # --- down -------------------------------------------------------------------------------------
 
-def down(lab_dir: str | os.PathLike, cfg: Config | None = None, *, purge: bool = False) -> list[str]:
+def down(lab_dir: str | os.PathLike, cfg: Config | None = None, *, purge: bool = False) -> list[str] | None:
     """Stop every lab process and delete every lab namespace (and with them every device).
-    Returns the namespaces deleted. Idempotent; works on a half-built lab."""
+    Returns the namespaces deleted, or None when no lab is recorded in `lab_dir`. Idempotent;
+    works on a half-built lab."""
     cfg = cfg or Config()
     netns.require_root()
     lab_dir = Path(lab_dir)
+    if not (lab_dir / STATE).exists():
+        return None
     state = read_state(lab_dir)
     lab_id, grace, t = state["id"], cfg.lab_stop_grace, cfg.lab_cmd_timeout
     prefix = f"peerd-{lab_id}-"
@@ -385,6 +388,38 @@ class Lab:
 
     def popen(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
         return subprocess.Popen(self.exec_argv(host, argv), **kw)
+
+    def ping(self, src: str, dsts: list[str], count: int = 5, interval: float = 0.05,
+             timeout: float = 2.0) -> list[dict[str, Any]]:
+        """ICMP RTTs from `src` to each host in `dsts` (see probe.py)."""
+        argv = [sys.executable, "-m", "peerd.lab.probe", "ping", *(self.ip(d) for d in dsts),
+                "--count", str(count), "--interval", str(interval), "--timeout", str(timeout)]
+        p = self.run(src, argv, timeout=30 + len(dsts) * count * (interval + timeout))
+        if p.returncode != 0:
+            raise LabError(f"ping from {src} failed: {p.stderr.strip()}")
+        return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+
+    def transfer(self, src: str, dst: str, nbytes: int, port: int = 5001, timeout: float = 60.0) -> dict[str, Any]:
+        """Send `nbytes` over one TCP connection src -> dst; the receiver's goodput (see probe.py)."""
+        sink = self.popen(dst, [sys.executable, "-m", "peerd.lab.probe", "sink", "--port", str(port),
+                                "--bytes", str(nbytes), "--timeout", str(timeout)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout is not None
+            if not select.select([sink.stdout], [], [], timeout)[0] or sink.stdout.readline().strip() != "listening":
+                raise LabError(f"receiver on {dst} did not start: {sink.stderr.read() if sink.poll() else ''}")
+            s = self.run(src, [sys.executable, "-m", "peerd.lab.probe", "send", f"{self.ip(dst)}:{port}",
+                               "--bytes", str(nbytes), "--timeout", str(timeout)], timeout=timeout + 10)
+            if s.returncode != 0:
+                raise LabError(f"sender on {src} failed: {s.stderr.strip()}")
+            out, err = sink.communicate(timeout=timeout)
+            if sink.returncode != 0:
+                raise LabError(f"receiver on {dst} failed: {err.strip()}")
+            return json.loads(out.strip().splitlines()[-1])
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+                sink.wait()
 
     def _host(self, host: str) -> dict[str, Any]:
         try:

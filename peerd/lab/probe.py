@@ -1,12 +1,13 @@
 """Measuring tools run inside lab hosts (`peerd lab exec H -- python -m peerd.lab.probe ...`).
 
-    ping DST [--count N] [--interval S] [--timeout S]     ICMP echo RTTs (raw socket; root)
+    ping DST... [--count N] [--interval S] [--timeout S]   ICMP echo RTTs (raw socket; root)
     sink --port P --bytes N [--timeout S]                 receive N bytes on one TCP connection
     send DST:P --bytes N [--timeout S]                    send N bytes
 
-Each prints one JSON line. `sink` first prints "listening" so a caller knows when to start the
-sender; its goodput is receiver-side, from the first byte to the last, and "steady" skips the first
-20 % of the bytes (slow start and the shaper's initial burst). Every wait is bounded by --timeout.
+Each prints one JSON line (ping: one per destination). `sink` first prints "listening" so a
+caller knows when to start the sender; its goodput is receiver-side, from the first byte to the
+last, and "steady" skips the first 20 % of the bytes (slow start and the shaper's initial burst).
+Every wait is bounded by --timeout.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m peerd.lab.probe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("ping")
-    p.add_argument("dst")
+    p.add_argument("dst", nargs="+")
     p.add_argument("--count", type=int, default=5)
     p.add_argument("--interval", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=2.0)
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--timeout", type=float, default=30.0)
     a = ap.parse_args(argv)
     if a.cmd == "ping":
-        out = ping(a.dst, a.count, a.interval, a.timeout)
+        for dst in a.dst:
+            print(json.dumps(ping(dst, a.count, a.interval, a.timeout)), flush=True)
+        return
     elif a.cmd == "sink":
         out = sink(a.port, a.bytes, a.timeout)
     else:

@@ -1,0 +1,188 @@
+"""The lab on real namespaces: connectivity, isolation, shaping, delay, and crash-safe teardown.
+
+Runs as root (CI does); skips only where namespaces are truly unavailable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from peerd.config import Config
+from peerd.lab import lab, netns, profile, shaping
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.skipif(os.geteuid() != 0, reason="lab tests need root to create network namespaces"),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None,
+                       reason="lab tests need iproute2 (`ip netns`, `tc`)"),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def leftovers(lab_id: str) -> tuple[list[str], list[str]]:
+    """Namespaces and root-namespace links carrying the lab id."""
+    nss = [n for n in netns.ns_list() if n.startswith(f"peerd-{lab_id}-")]
+    links = [ln for ln in netns.run(["ip", "-o", "link", "show"], 10).splitlines() if lab_id in ln.split(":")[1]]
+    return nss, links
+
+
+@pytest.fixture
+def make_lab(tmp_path):
+    made: list[Path] = []
+
+    def make(prof: profile.Profile, **kw) -> lab.Lab:
+        d = tmp_path / f"lab{len(made)}"
+        made.append(d)
+        lab.up(prof, d, Config(), **kw)
+        return lab.Lab(d)
+
+    yield make
+    for d in made:
+        lab.down(d, Config(), purge=True)
+
+
+def test_hosts_reach_each_other_only_inside_the_lab(make_lab):
+    lb = make_lab(profile.load("straggler", 3), daemons=False)
+    for src in lb.hosts:
+        others = [h for h in lb.hosts if h != src]
+        for res in lb.ping(src, others, count=2):
+            assert res["received"] == 2, res
+        routes = netns.run(["ip", "-n", lb.ns(src), "route", "show"], 10)
+        assert "default" not in routes and len(routes.strip().splitlines()) == 1, routes
+        # No route out: the kernel refuses before a packet could leave.
+        p = subprocess.run(["ip", "-n", lb.ns(src), "route", "get", "192.0.2.1"], capture_output=True, text=True)
+        assert p.returncode != 0 and "unreachable" in p.stderr.lower()
+    st = lab.status(lb.dir)
+    assert st["hosts"]["h1"]["slowdown"] == 4.0 and st["hosts"]["h2"]["slowdown"] == 1.0
+    env = subprocess.run([sys.executable, "-m", "cli.lab", "exec", "--dir", str(lb.dir), "h1", "--",
+                          "sh", "-c", "echo $PEERD_SLOWDOWN"], capture_output=True, text=True, env=ENV, timeout=20)
+    assert env.stdout.strip() == "4", env.stderr
+    lab_id = lb.id
+    assert lab.down(lb.dir) is not None
+    assert leftovers(lab_id) == ([], [])
+    assert lab.down(lb.dir) is None  # idempotent
+
+
+RATE_DELAY = """
+hosts = 3
+[sites.a]
+hosts = ["h1", "h2"]
+[sites.b]
+hosts = ["h3"]
+[[pairs]]
+hosts = ["h1", "h2"]
+rate = "100mbit"
+[[site_links]]
+sites = ["a", "b"]
+delay = "20ms"
+"""
+
+
+def test_shaped_rate_and_delay_wire(make_lab):
+    lb = make_lab(profile.parse(tomllib.loads(RATE_DELAY)), daemons=False)
+    want = 100e6 * shaping.GOODPUT_RATIO
+    got = lb.transfer("h1", "h2", 8_000_000)
+    assert got["bytes"] == 8_000_000
+    assert abs(got["goodput_bps"] - want) / want < 0.15, (got, want)
+    back = lb.transfer("h2", "h1", 8_000_000, port=5002)
+    assert abs(back["goodput_bps"] - want) / want < 0.15, (back, want)
+    far, near = lb.ping("h1", ["h3", "h2"], count=6, interval=0.05)
+    rtts = sorted(r for r in far["rtts_ms"][1:] if r is not None)  # the first one may wait for ARP
+    assert len(rtts) == 5 and 40.0 <= rtts[0] and rtts[len(rtts) // 2] < 40.0 + 8.0, far
+    assert near["received"] == 6 and near["median_ms"] < 5.0, near
+
+
+def _wait_state(d: Path, pred, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = json.loads((d / "state.json").read_text())
+            if pred(st):
+                return st
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+    raise AssertionError(f"state in {d} never matched")
+
+
+@pytest.mark.parametrize("when", ["mid-way", "after-up"])
+def test_down_after_killed_up_leaves_nothing(tmp_path, when):
+    d = tmp_path / "lab"
+    # Twelve hosts in two delayed sites: long enough to kill `up` mid-way, and it starts wires.
+    prof = tmp_path / "p.toml"
+    prof.write_text('[sites.a]\nhosts = ["h1","h2","h3","h4","h5","h6"]\n'
+                    '[sites.b]\nhosts = ["h7","h8","h9","h10","h11","h12"]\n'
+                    '[[site_links]]\nsites = ["a", "b"]\nrate = "50mbit"\ndelay = "5ms"\n')
+    up = subprocess.Popen([sys.executable, "-m", "cli.lab", "up", "-n", "12", "-p", str(prof), "--dir", str(d),
+                           "--no-daemons"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sleeper = None
+    try:
+        if when == "mid-way":
+            st = _wait_state(d, lambda s: len(s["namespaces"]) >= 4, 30)
+            up.send_signal(signal.SIGKILL)
+        else:
+            st = _wait_state(d, lambda s: s["phase"] == "up", 30)
+            up.wait(timeout=30)
+            # A process started inside a host keeps running after `up`; down must stop it too.
+            sleeper = subprocess.Popen([sys.executable, "-m", "cli.lab", "exec", "--dir", str(d), "h2", "--",
+                                        "sleep", "60"], env=ENV)
+            _wait_pid_in(st["hosts"]["h2"]["ns"], 10)
+    except BaseException:
+        up.kill()
+        up.wait(timeout=30)
+        lab.down(d)
+        raise
+    up.wait(timeout=30)
+    try:
+        _check_down_after_kill(d, when)
+        if sleeper is not None:
+            assert sleeper.wait(timeout=10) < 0  # ended by down's signal, long before its 60 s
+    finally:
+        lab.down(d)  # a no-op when the check passed
+
+
+def _check_down_after_kill(d: Path, when: str) -> None:
+    st = json.loads((d / "state.json").read_text())
+    if when == "mid-way":
+        assert st["phase"] == "creating", "up finished before it was killed; the test lost its race"
+    lab_id = st["id"]
+    wires = [p for p in st["processes"] if p["role"].startswith("wire:")]
+    assert leftovers(lab_id)[0], "nothing was created before the kill"
+    res = subprocess.run([sys.executable, "-m", "cli.lab", "down", "--dir", str(d)], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert leftovers(lab_id) == ([], [])
+    assert not any(netns.alive(p["pid"], p["start"]) for p in wires)
+    if when == "after-up":
+        assert len(wires) == 2
+    assert not (d / "state.json").exists() and not (d / "secret").exists()
+
+
+def _wait_pid_in(ns: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not netns.ns_pids(ns, 5):
+        assert time.monotonic() < deadline, f"no process appeared in {ns}"
+        time.sleep(0.02)
+
+
+def test_daemon_that_cannot_start_fails_up_cleanly(tmp_path):
+    d = tmp_path / "lab"
+    before = {n for n in netns.ns_list() if n.startswith("peerd-")}
+    with pytest.raises(netns.LabError) as e:
+        lab.up(profile.load("lan", 2), d, Config().replace(lab_ready_timeout=20.0),
+               daemon_args=("--no-such-option-for-peerd",))
+    assert "daemon of h1" in str(e.value) and "daemon.log" in str(e.value)
+    assert {n for n in netns.ns_list() if n.startswith("peerd-")} - before == set()
+    assert not (d / "state.json").exists()
+    assert (d / "h1" / "daemon.log").exists()
