@@ -10,6 +10,7 @@ import click
 from peerd import config as config_mod
 from peerd.lab import lab as lab_mod
 from peerd.lab import profile as profile_mod
+from peerd.lab.delaywire import CEILING_HINT_BPS
 from peerd.lab.netns import LabError
 
 
@@ -73,6 +74,12 @@ def up(hosts: int | None, profile: str, lab_dir: str | None, no_daemons: bool, d
     except (LabError, profile_mod.ProfileError) as e:
         raise click.ClickException(str(e)) from None
     _print_status(lab_mod.status(state["dir"]), as_json)
+    for link in prof.site_links.values():
+        if (link.delay_s or link.loss) and (link.rate_bps or 10**12) > CEILING_HINT_BPS:
+            click.echo(f"warning: site link {link.src} -> {link.dst} goes through a userspace delay wire, "
+                       f"which carries roughly {CEILING_HINT_BPS // 10**6} Mbit/s on a small machine; "
+                       f"its rate ({_rate(link.rate_bps) if link.rate_bps else 'unshaped'}) may not be reached "
+                       f"(measure with `peerd lab calibrate`)", err=True)
 
 
 @lab.command()
@@ -104,6 +111,22 @@ def status(lab_dir: str | None, config_file: str | None, as_json: bool) -> None:
     except LabError as e:
         raise click.ClickException(str(e)) from None
     _print_status(st, as_json)
+
+
+@lab.command()
+@_config_opt
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def calibrate(config_file: str | None, as_json: bool) -> None:
+    """Measure achieved vs shaped rates (10/100/1000 Mbit, a 50 Mbit site link) and the delay
+    wire's RTT and ceiling, in a throwaway lab (about 15 s)."""
+    from peerd.lab import calibrate as cal
+
+    cfg = _cfg(config_file)
+    try:
+        res = cal.run(cfg)
+    except LabError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(res, indent=1) if as_json else cal.render(res))
 
 
 @lab.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -75,17 +75,22 @@ def test_hosts_reach_each_other_only_inside_the_lab(make_lab):
 
 
 RATE_DELAY = """
-hosts = 3
+hosts = 4
 [sites.a]
 hosts = ["h1", "h2"]
 [sites.b]
 hosts = ["h3"]
+[sites.c]
+hosts = ["h4"]
 [[pairs]]
 hosts = ["h1", "h2"]
 rate = "100mbit"
 [[site_links]]
 sites = ["a", "b"]
 delay = "20ms"
+[[site_links]]
+sites = ["a", "c"]
+loss = 0.3
 """
 
 
@@ -101,6 +106,9 @@ def test_shaped_rate_and_delay_wire(make_lab):
     rtts = sorted(r for r in far["rtts_ms"][1:] if r is not None)  # the first one may wait for ARP
     assert len(rtts) == 5 and 40.0 <= rtts[0] and rtts[len(rtts) // 2] < 40.0 + 8.0, far
     assert near["received"] == 6 and near["median_ms"] < 5.0, near
+    # 30 % loss each way: about half of 30 echoes come back (all or none: p < 1e-8).
+    lossy = lb.ping("h1", ["h4"], count=30, interval=0.0, timeout=0.1)[0]
+    assert 0 < lossy["received"] < 30, lossy
 
 
 def _wait_state(d: Path, pred, timeout: float) -> dict:

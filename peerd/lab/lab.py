@@ -23,6 +23,8 @@ lab id. It is idempotent: running it twice, or on a half-built lab, is fine.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -97,6 +99,18 @@ def _save(lab_dir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, lab_dir / STATE)
 
 
+@contextlib.contextmanager
+def _locked(lab_dir: Path):
+    """One `up` or `down` at a time per lab directory; the kernel drops the lock if we die."""
+    lab_dir.mkdir(parents=True, exist_ok=True)
+    with open(lab_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LabError(f"another `peerd lab up/down` is running on {lab_dir}") from None
+        yield
+
+
 # --- addresses -------------------------------------------------------------------------------
 
 def _pick_subnet(lab_id: str) -> ipaddress.IPv4Network:
@@ -124,7 +138,13 @@ def up(profile: Profile, lab_dir: str | os.PathLike, cfg: Config | None = None, 
     cfg = cfg or Config()
     netns.require_root()
     lab_dir = Path(lab_dir).resolve()
-    lab_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(lab_dir):
+        state = _up(profile, lab_dir, cfg, daemons, daemon_args, python or sys.executable)
+    return state
+
+
+def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args: tuple[str, ...],
+        python: str) -> dict[str, Any]:
     if (lab_dir / STATE).exists():
         old = read_state(lab_dir)
         raise LabError(f"a lab (id {old.get('id')}) is already recorded in {lab_dir}; "
@@ -152,10 +172,10 @@ def up(profile: Profile, lab_dir: str | os.PathLike, cfg: Config | None = None, 
     }
     _save(lab_dir, state)
     try:
-        _build(profile, state, lab_dir, cfg, daemons, daemon_args, python or sys.executable)
+        _build(profile, state, lab_dir, cfg, daemons, daemon_args, python)
     except BaseException:
         try:
-            down(lab_dir, cfg)
+            _down(lab_dir, cfg, purge=False)
         except LabError as e:
             print(f"peerd lab: cleanup after a failed up also failed: {e}", file=sys.stderr)
         raise
@@ -315,6 +335,13 @@ def down(lab_dir: str | os.PathLike, cfg: Config | None = None, *, purge: bool =
     lab_dir = Path(lab_dir)
     if not (lab_dir / STATE).exists():
         return None
+    with _locked(lab_dir):
+        return _down(lab_dir, cfg, purge)
+
+
+def _down(lab_dir: Path, cfg: Config, purge: bool) -> list[str] | None:
+    if not (lab_dir / STATE).exists():
+        return None
     state = read_state(lab_dir)
     lab_id, grace, t = state["id"], cfg.lab_stop_grace, cfg.lab_cmd_timeout
     prefix = f"peerd-{lab_id}-"
@@ -330,7 +357,7 @@ def down(lab_dir: str | os.PathLike, cfg: Config | None = None, *, purge: bool =
     if left or stuck:
         raise LabError(f"lab {lab_id}: could not remove namespaces {left} / stop pids {stuck}; "
                        f"state kept in {lab_dir / STATE}")
-    for name in (STATE, SECRET):
+    for name in (STATE, SECRET, ".lock"):
         (lab_dir / name).unlink(missing_ok=True)
     if purge:
         shutil.rmtree(lab_dir, ignore_errors=True)
