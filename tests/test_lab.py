@@ -194,3 +194,25 @@ def test_daemon_that_cannot_start_fails_up_cleanly(tmp_path):
     assert {n for n in netns.ns_list() if n.startswith("peerd-")} - before == set()
     assert not (d / "state.json").exists()
     assert (d / "h1" / "daemon.log").exists()
+
+
+def test_non_root_is_refused_with_a_clear_message():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop to nobody, then ask
+        try:
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            try:
+                netns.require_root()
+                msg = "accepted"
+            except netns.LabError as e:
+                msg = str(e)
+            os.write(w, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert "needs root" in msg, msg

@@ -248,11 +248,10 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
     for h in profile.hosts:
         rates = {hosts[dst]["ip"]: r for (src, dst), r in profile.pair_rates.items() if src == h.name}
         netns.batch("tc", hosts[h.name]["ns"],
-                    shaping.htb_commands("eth0", h.link_bps, shaping.group_by_rate(rates), **q), t)
+                    shaping.htb_commands("eth0", h.link_bps, shaping.per_destination(rates), **q), t)
         sw_tc += shaping.htb_commands(f"v{lab_id}h{h.index}", h.link_bps, [], **q)
     for s, (a, _) in uplink.items():
-        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)),
-                                    f"site {dst}")
+        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)))
                    for (src, dst), l in profile.site_links.items() if src == s and l.rate_bps]
         sw_tc += shaping.htb_commands(a, None, classes, **q)
     netns.batch("tc", sw, sw_tc, t)
@@ -314,7 +313,8 @@ def _wait_line(proc: subprocess.Popen, want: str, timeout: float, what: str, log
             if r:
                 chunk = os.read(proc.stdout.fileno(), 256)
                 if not chunk:
-                    proc.wait(timeout=1)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=1)
                     raise LabError(f"{what} exited (code {proc.returncode}) before it was ready; "
                                    f"log {log}:\n{_tail(log)}")
                 buf += chunk

@@ -27,9 +27,9 @@ GOODPUT_RATIO = 1448 / 1514  # TCP payload per frame htb counts (MSS 1448 with t
 
 @dataclass(frozen=True)
 class DstClass:
+    """One shaped class: traffic to any of `dst_ips` shares `rate_bps`."""
     rate_bps: int
     dst_ips: tuple[str, ...]
-    label: str                # for humans reading `tc class show`
 
 
 def _queue(rate_bps: int, queue_ms: float, min_bytes: int) -> int:
@@ -87,7 +87,7 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
     return lines
 
 
-def group_by_rate(rates: dict[str, int], label: str = "") -> list[DstClass]:
-    """Per-destination classes from {dst ip: rate}. One class per destination (not per distinct
-    rate): two destinations with equal rates still get separate buckets."""
-    return [DstClass(r, (ip,), f"{label}{ip}") for ip, r in sorted(rates.items())]
+def per_destination(rates: dict[str, int]) -> list[DstClass]:
+    """One class per destination host from {dst ip: rate}; equal rates still get separate
+    buckets, so each ordered pair has its own rate."""
+    return [DstClass(r, (ip,)) for ip, r in sorted(rates.items())]
