@@ -216,3 +216,58 @@ def test_non_root_is_refused_with_a_clear_message():
         msg = f.read()
     os.waitpid(pid, 0)
     assert "needs root" in msg, msg
+
+
+def _peers(data_dir: str) -> list[dict]:
+    p = subprocess.run([sys.executable, "-m", "cli.main", "peers", "--json", "--data-dir", data_dir],
+                       capture_output=True, text=True, env=ENV, timeout=20)
+    return json.loads(p.stdout) if p.returncode == 0 else []
+
+
+def test_daemons_form_a_swarm_and_carry_their_slowdown(make_lab):
+    lb = make_lab(profile.load("straggler", 3))
+    st = lab.status(lb.dir)
+    assert all(h["daemon_alive"] for h in st["hosts"].values()), st["hosts"]
+    want = {h: {f"{lb.ip(o)}:7070" for o in lb.hosts if o != h} for h in lb.hosts}
+    deadline = time.monotonic() + 20
+    while True:
+        seen = {h: {p["address"] for p in _peers(st["hosts"][h]["data_dir"]) if p["state"] == "alive"}
+                for h in lb.hosts}
+        if seen == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert seen == want
+    for h in lb.hosts:
+        environ = Path(f"/proc/{st['hosts'][h]['daemon_pid']}/environ").read_bytes().split(b"\0")
+        assert f"PEERD_SLOWDOWN={lb.slowdown(h):g}".encode() in environ
+    assert lb.slowdown("h1") == 4.0
+    pids = [(p["pid"], p["start"]) for p in lb.state["processes"]]
+    lab.down(lb.dir)
+    assert not any(netns.alive(*p) for p in pids)
+    assert leftovers(lb.id) == ([], [])
+
+
+def test_down_after_up_killed_while_starting_daemons(tmp_path):
+    d = tmp_path / "lab"
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "lab", "up", "-p", "two-sites", "--dir",
+                           str(d)], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        st = _wait_state(d, lambda s: sum(p["role"].startswith("daemon:") for p in s["processes"]) >= 2, 30)
+    except BaseException:
+        up.kill()
+        up.wait(timeout=30)
+        lab.down(d)
+        raise
+    up.kill()
+    up.wait(timeout=30)
+    try:
+        st = json.loads((d / "state.json").read_text())
+        assert st["phase"] == "creating"
+        procs = [(p["pid"], p["start"]) for p in st["processes"]]
+        res = subprocess.run([sys.executable, "-m", "cli.main", "lab", "down", "--dir", str(d)], env=ENV,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert leftovers(st["id"]) == ([], [])
+        assert not any(netns.alive(*p) for p in procs)
+    finally:
+        lab.down(d)
