@@ -19,12 +19,26 @@ import pytest
 from peerd.config import Config
 from peerd.lab import lab, netns, profile, shaping
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.skipif(os.geteuid() != 0, reason="lab tests need root to create network namespaces"),
-    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None,
-                       reason="lab tests need iproute2 (`ip netns`, `tc`)"),
-]
+
+def _netns_unavailable() -> str | None:
+    """Why network namespaces cannot be made here, or None. Tries one for real (a container
+    without CAP_SYS_ADMIN is root but cannot)."""
+    if os.geteuid() != 0:
+        return "lab tests need root to create network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "lab tests need iproute2 (`ip netns`, `tc`)"
+    name = f"peerd-probe-{os.urandom(3).hex()}"
+    p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"`ip netns add` is refused here: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
+
+
+_WHY = _netns_unavailable()
+pytestmark = [pytest.mark.lab, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+needs_tun = pytest.mark.skipif(not os.path.exists("/dev/net/tun"),
+                               reason="delay wire needs /dev/net/tun (TUN/TAP), absent here")
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -94,6 +108,7 @@ loss = 0.3
 """
 
 
+@needs_tun
 def test_shaped_rate_and_delay_wire(make_lab):
     lb = make_lab(profile.parse(tomllib.loads(RATE_DELAY)), daemons=False)
     want = 100e6 * shaping.GOODPUT_RATIO
@@ -124,6 +139,7 @@ def _wait_state(d: Path, pred, timeout: float) -> dict:
     raise AssertionError(f"state in {d} never matched")
 
 
+@needs_tun
 @pytest.mark.parametrize("when", ["mid-way", "after-up"])
 def test_down_after_killed_up_leaves_nothing(tmp_path, when):
     d = tmp_path / "lab"
@@ -247,6 +263,7 @@ def test_daemons_form_a_swarm_and_carry_their_slowdown(make_lab):
     assert leftovers(lb.id) == ([], [])
 
 
+@needs_tun
 def test_down_after_up_killed_while_starting_daemons(tmp_path):
     d = tmp_path / "lab"
     up = subprocess.Popen([sys.executable, "-m", "cli.main", "lab", "up", "-p", "two-sites", "--dir",
