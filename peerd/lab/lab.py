@@ -405,10 +405,12 @@ class Lab:
         return float(self._host(host)["slowdown"])
 
     def exec_argv(self, host: str, argv: list[str]) -> list[str]:
-        """argv run inside `host`'s namespace with its PEERD_SLOWDOWN and the lab's code on PYTHONPATH."""
-        env = _child_env({"PEERD_SLOWDOWN": f"{self.slowdown(host):g}"})
-        return ["ip", "netns", "exec", self.ns(host), "env",
-                f"PEERD_SLOWDOWN={env['PEERD_SLOWDOWN']}", f"PYTHONPATH={env['PYTHONPATH']}", *argv]
+        """argv run inside `host`'s namespace with its PEERD_SLOWDOWN, PEERD_DATA_DIR set to its
+        daemon's data dir (so `peerd status` there talks to that daemon) and the lab's code on
+        PYTHONPATH."""
+        env = _child_env()
+        return ["ip", "netns", "exec", self.ns(host), "env", f"PEERD_SLOWDOWN={self.slowdown(host):g}",
+                f"PEERD_DATA_DIR={self._host(host)['data_dir']}", f"PYTHONPATH={env['PYTHONPATH']}", *argv]
 
     def run(self, host: str, argv: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.exec_argv(host, argv), timeout=timeout, capture_output=True, text=True, **kw)
