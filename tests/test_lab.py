@@ -126,6 +126,18 @@ def test_shaped_rate_and_delay_wire(make_lab):
     assert 0 < lossy["received"] < 30, lossy
 
 
+def test_access_link_and_pair_rate_combine(make_lab):
+    prof = profile.parse(tomllib.loads('hosts = 3\n[host.h1]\nlink = "20mbit"\n'
+                                       '[[pairs]]\nhosts = ["h1", "h2"]\nrate = "5mbit"\n'))
+    lb = make_lab(prof, daemons=False)
+    for dst, rate, nbytes in (("h2", 5e6, 1_000_000), ("h3", 20e6, 2_500_000)):
+        want = rate * shaping.GOODPUT_RATIO
+        got = lb.transfer("h1", dst, nbytes)
+        assert abs(got["goodput_bps"] - want) / want < 0.15, (dst, got, want)
+    got = lb.transfer("h3", "h1", 2_500_000)  # the access link limits the way in too
+    assert abs(got["goodput_bps"] - 20e6 * shaping.GOODPUT_RATIO) / (20e6 * shaping.GOODPUT_RATIO) < 0.15, got
+
+
 def _wait_state(d: Path, pred, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -54,8 +54,11 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
     if link_bps is None and not classes:
         return []
     parent = link_bps or UNLIMITED
-    n_children = len(classes) + 2
     ctl_rate = max(64_000, int(parent * control_share))
+    # A limited parent is shared: its children's guaranteed rates add up to the link (a class under
+    # its rate sends without asking its parent), and each borrows up to its ceil, so together they
+    # never exceed the link. An unlimited parent needs no sharing: rate = ceil.
+    share = max(8_000, (parent - ctl_rate) // (len(classes) + 1)) if link_bps else None
     lines = [
         f"qdisc add dev {dev} root handle 1: htb default 3",
         f"class add dev {dev} parent 1: classid 1:1 htb rate {parent}bit ceil {parent}bit "
@@ -63,10 +66,7 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
         f"class add dev {dev} parent 1:1 classid 1:2 htb rate {ctl_rate}bit ceil {parent}bit prio 0 "
         f"{_burst(parent)} quantum {_quantum(ctl_rate)}",
         f"qdisc add dev {dev} parent 1:2 handle 2: pfifo limit 1000",
-        # A limited parent is shared: children get a small guaranteed rate and borrow up to their
-        # ceil, so together they can never exceed the link. An unlimited parent needs no sharing.
-        f"class add dev {dev} parent 1:1 classid 1:3 htb "
-        f"rate {parent // n_children if link_bps else parent}bit ceil {parent}bit prio 1 "
+        f"class add dev {dev} parent 1:1 classid 1:3 htb rate {share or parent}bit ceil {parent}bit prio 1 "
         f"{_burst(parent)} quantum {_quantum(parent)}",
         f"qdisc add dev {dev} parent 1:3 handle 3: bfifo limit {_queue(parent, queue_ms, queue_min_bytes)}",
         f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match u16 0x0000 0x{0x10000 - SMALL_PACKET:04x} "
@@ -75,7 +75,7 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
     for k, c in enumerate(classes):
         minor = 0x100 + k
         ceil = min(c.rate_bps, parent)
-        rate = max(8_000, min(ceil, parent // n_children)) if link_bps else ceil
+        rate = min(ceil, share) if share else ceil
         lines += [
             f"class add dev {dev} parent 1:1 classid 1:{minor:x} htb rate {rate}bit ceil {ceil}bit prio 1 "
             f"{_burst(ceil)} quantum {_quantum(ceil)}",
