@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,12 +215,12 @@ def _wait_pid_in(ns: str, timeout: float) -> None:
 
 def test_daemon_that_cannot_start_fails_up_cleanly(tmp_path):
     d = tmp_path / "lab"
-    before = {n for n in netns.ns_list() if n.startswith("peerd-")}
     with pytest.raises(netns.LabError) as e:
         lab.up(profile.load("lan", 2), d, Config().replace(lab_ready_timeout=20.0),
                daemon_args=("--no-such-option-for-peerd",))
     assert "daemon of h1" in str(e.value) and "daemon.log" in str(e.value)
-    assert {n for n in netns.ns_list() if n.startswith("peerd-")} - before == set()
+    lab_id = re.match(r"lab (\w+) not created", str(e.value)).group(1)
+    assert leftovers(lab_id) == ([], [])
     assert not (d / "state.json").exists()
     assert (d / "h1" / "daemon.log").exists()
 

@@ -173,11 +173,13 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
     _save(lab_dir, state)
     try:
         _build(profile, state, lab_dir, cfg, daemons, daemon_args, python)
-    except BaseException:
+    except BaseException as e:
         try:
             _down(lab_dir, cfg, purge=False)
-        except LabError as e:
-            print(f"peerd lab: cleanup after a failed up also failed: {e}", file=sys.stderr)
+        except LabError as e2:
+            print(f"peerd lab: cleanup after a failed up also failed: {e2}", file=sys.stderr)
+        if isinstance(e, LabError):
+            raise LabError(f"lab {lab_id} not created (what was made is removed again): {e}") from None
         raise
     state["phase"] = "up"
     _save(lab_dir, state)
