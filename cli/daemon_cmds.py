@@ -16,8 +16,11 @@ from peerd.config import FIELDS, ConfigError, default_data_dir
 
 
 def config_options(fn):
-    """One flag per Config field, so `peerd up --help` documents every bound and default."""
+    """One flag per daemon Config field, so `peerd up --help` documents every bound and default.
+    Fields of other commands (metadata scope, e.g. "lab") stay settable by TOML and PEERD_*."""
     for name, f in reversed(list(FIELDS.items())):
+        if f.metadata.get("scope", "daemon") != "daemon":
+            continue
         flag = "--" + f.metadata.get("flag", name).replace("_", "-")
         default = f.default
         help_text = f"{f.metadata['help']}"

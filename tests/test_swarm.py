@@ -109,3 +109,13 @@ def test_second_daemon_on_same_data_dir_is_refused_clearly(daemons):
     assert other.proc.wait(timeout=15) == 2
     assert "in use by another peerd daemon" in other.read_log()
     assert d.status() is not None
+
+
+def test_ipv6_loopback_peers_gossip_dialable_addresses(daemons):
+    a = daemons("v6a", extra=["--listen", "[::1]:0"])
+    b = daemons("v6b", seeds=[a.address], extra=["--listen", "0.0.0.0:0"])
+    c = daemons("v6c", seeds=[a.address])
+    wait_for(lambda: peer_states(b).get(c.node_id) == "alive" and peer_states(c).get(b.node_id) == "alive",
+             15, "b and c to find each other through a's gossip")
+    for p in a.status()["peers"]:
+        assert "%" not in p["address"]

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
+from urllib.parse import unquote
 
 import grpc
 
@@ -165,7 +166,7 @@ class Authenticator:
 
 def _source_host(peer: str) -> str:
     # "ipv4:127.0.0.1:5555" -> "127.0.0.1"; "ipv6:[::1]:5555" -> "[::1]"
-    _, _, rest = peer.partition(":")
+    _, _, rest = unquote(peer).partition(":")
     host, _, _ = rest.rpartition(":")
     return host or peer
 

@@ -6,6 +6,7 @@ must be the one it authenticated as.
 from __future__ import annotations
 
 import logging
+from urllib.parse import unquote
 from typing import TYPE_CHECKING
 
 import grpc
@@ -31,7 +32,8 @@ def _caller(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 def _source_host(context: grpc.aio.ServicerContext) -> str:
-    _, _, rest = context.peer().partition(":")
+    # gRPC names peers "ipv4:1.2.3.4:5" or, percent-encoded, "ipv6:%5B::1%5D:5"
+    _, _, rest = unquote(context.peer()).partition(":")
     host, _, _ = rest.rpartition(":")
     return host.strip("[]")
 
