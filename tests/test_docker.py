@@ -3,6 +3,7 @@ same `peerd up` contract as `peerd lab` (see tests/docker_files.py for how, with
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -173,3 +174,29 @@ def test_lab_starts_daemons_with_the_same_contract():
     assert argv[1:3] == ["-m", "cli.main"]
     assert set(long_flags(argv)) - {"--peer"} == CONTRACT
     load_config(argv[3:], env={})
+
+
+def test_build_context_holds_what_the_image_installs(tmp_path):
+    """Lay out /opt/peerd as the Dockerfile's COPY lines do from the .dockerignore allowlist, then run
+    the import check of its install step (`peerd version`) from that copy alone."""
+    allowed = [ln.strip()[1:].rstrip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip().startswith("!")]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for pattern in packages["include"]:
+        for pkg in ROOT.glob(pattern.rstrip("*") + "*/__init__.py"):
+            assert pkg.parent.name in allowed, f"package {pkg.parent.name} is left out of the image"
+    for word, rest in dockerfile_instructions():
+        if word == "COPY":
+            *srcs, dst = rest.split()
+            for src in srcs:  # WORKDIR is the copy's root
+                dest = tmp_path / dst / src if dst.endswith("/") else tmp_path / dst
+                if (ROOT / src).is_dir():
+                    shutil.copytree(ROOT / src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                else:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(ROOT / src, dest)
+    assert {p.name for p in tmp_path.iterdir()} == set(allowed)
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "cli.main", "version"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=TOOL_TIMEOUT)
+    assert p.returncode == 0 and p.stdout.startswith("peerd "), p.stderr
