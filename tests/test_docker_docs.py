@@ -1,4 +1,4 @@
-"""The "## Docker" walkthrough (README.md, or docs/docker.md until it is merged there) runs against
+"""The "## Docker" walkthrough in README.md runs against
 the real files: every command in it is taken apart and checked with the Compose v2 binary, the
 Dockerfile and the peerd CLI, so the text cannot drift from docker/."""
 from __future__ import annotations
