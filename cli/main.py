@@ -16,6 +16,9 @@ def _register() -> None:
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
 
+    from cli import bench as bench_cmds
+    cli.add_command(bench_cmds.bench)
+
 
 _register()
 
