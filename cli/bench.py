@@ -5,7 +5,8 @@
 and, as root, (c) both across two fresh network namespaces joined by a veth pair whose sending
 side is shaped by htb to each of --rates. Throughput is bytes over the sender's wall time for one
 transfer (first byte to the receiver's ack; peerd's includes its checksum pass), median of
---reps after one warm-up. The receiver's peak extra memory is its VmHWM after the transfers minus
+--reps after one warm-up; raw and peerd transfers alternate, and the ratio is the median of the
+per-pair ratios, so background load on a shared machine hits both alike. The receiver's peak extra memory is its VmHWM after the transfers minus
 its VmRSS before them (the kernel's high-water mark is reset through /proc/self/clear_refs).
 """
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Record:
     size: int
     raw_tcp_bytes_per_s: float
     peerd_bytes_per_s: float
-    ratio: float
+    ratio: float                  # median of per-pair peerd/raw throughput ratios
     reps: int
     raw_tcp_seconds: list[float] = field(default_factory=list)
     peerd_seconds: list[float] = field(default_factory=list)
@@ -132,7 +133,9 @@ def measure(path: str, sender: Peer, receiver: Peer, host: str, size: int, reps:
     raw, ours = raw[warmup:], ours[warmup:]
     raw_bps = size / statistics.median(raw)
     ours_bps = size / statistics.median(ours)
-    rec = Record(path, size, raw_bps, ours_bps, ours_bps / raw_bps, reps, raw, ours, peak)
+    # the ratio is the median over adjacent (raw, peerd) pairs: robust to load that drifts
+    ratio = statistics.median(r / o for r, o in zip(raw, ours))
+    rec = Record(path, size, raw_bps, ours_bps, ratio, reps, raw, ours, peak)
     if shaped:
         rec.shaped_bits_per_s = shaped
         rec.raw_tcp_pct_of_shaped = 100 * raw_bps * 8 / shaped
@@ -185,7 +188,7 @@ def shape(ns: str, dev: str, bits_per_s: int) -> None:
 
 
 def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: list[int], lab: bool,
-                  chunk_bytes: int | None, log: Any = None) -> list[Record]:
+                  chunk_bytes: int | None, log: Any = None, shaped_reps: int = 1) -> list[Record]:
     out: list[Record] = []
     say = log or (lambda s: None)
     peers: list[Peer] = []
@@ -215,8 +218,8 @@ def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: l
                 for size in shaped_sizes:
                     say(f"shaped {rate // 10**6} Mbit {human(size)} ...")
                     bound = 120 + 3 * size * 8 / rate
-                    out.append(measure(f"shaped-{rate // 10**6}mbit", a, b, ip_b, size, 1, warmup=0,
-                                       shaped=rate, timeout=bound))
+                    out.append(measure(f"shaped-{rate // 10**6}mbit", a, b, ip_b, size, shaped_reps,
+                                       warmup=0, shaped=rate, timeout=bound))
         finally:
             for p in peers:
                 p.close()
@@ -248,21 +251,22 @@ def bench() -> None:
               help="also measure across two shaped namespaces (default: when run as root)")
 @click.option("--rates", default="100mbit,1gbit", show_default=True, help="shaped link rates")
 @click.option("--shaped-sizes", default="25MB", show_default=True, help="buffer sizes over shaped links")
+@click.option("--shaped-reps", default=1, show_default=True, help="timed transfers per size over shaped links")
 @click.option("--chunk-bytes", type=int, default=None, help="override dataplane_chunk_bytes")
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per (path, size)")
-def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes: str,
+def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes: str, shaped_reps: int,
               chunk_bytes: int | None, as_json: bool) -> None:
     """Raw TCP vs peerd push, on loopback and (as root) over shaped lab links."""
     if lab is None:
         lab = os.geteuid() == 0
     elif lab and os.geteuid() != 0:
         raise click.ClickException("--lab needs root (network namespaces and tc)")
-    if reps < 1:
-        raise click.BadParameter("--reps must be at least 1")
+    if reps < 1 or shaped_reps < 1:
+        raise click.BadParameter("--reps and --shaped-reps must be at least 1")
     records = run_transport([parse_size(s) for s in sizes.split(",") if s.strip()], reps,
                             [parse_size(s) for s in shaped_sizes.split(",") if s.strip()],
                             [parse_rate(r) for r in rates.split(",") if r.strip()], lab, chunk_bytes,
-                            log=None if as_json else lambda s: click.echo(s, err=True))
+                            log=None if as_json else lambda s: click.echo(s, err=True), shaped_reps=shaped_reps)
     if as_json:
         for r in records:
             click.echo(json.dumps(asdict(r)))

@@ -62,6 +62,7 @@ class Node:
             await ch.close()
         if self.server is not None:
             await self.server.stop(0.5)
+        self.dp.close()
 
 
 @contextlib.asynccontextmanager

@@ -137,6 +137,7 @@ class BenchNode:
             for ch in self.channels.values():
                 await ch.close()
             await server.stop(1)
+            self.dp.close()
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]

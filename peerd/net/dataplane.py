@@ -104,7 +104,7 @@ class Received:
     wire_bytes: int
     seconds: float                # header to last byte
     compression: int
-    compression_error_bound: float  # relative rounding bound of the cast (0 when uncompressed)
+    compression_error_bound: float  # relative bound of the cast (tw.ROUNDING_BOUND; 0 uncompressed)
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:

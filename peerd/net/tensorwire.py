@@ -193,8 +193,10 @@ def flat_view(buf: torch.Tensor) -> memoryview:
 # ---- compression -----------------------------------------------------------------------------
 
 _CAST_TO = {pb.COMPRESSION_FP16: "float16", pb.COMPRESSION_BF16: "bfloat16"}
-# Largest relative rounding error of a cast, for values in the target's normal range.
+# A cast changes a finite value x (within the target's range) by at most
+# ROUNDING_BOUND * |x| + ROUNDING_FLOOR: relative for normal values, absolute near zero (subnormals).
 ROUNDING_BOUND = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -11, pb.COMPRESSION_BF16: 2.0 ** -8}
+ROUNDING_FLOOR = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -25, pb.COMPRESSION_BF16: 2.0 ** -134}
 COMPRESSION_NAMES = {"none": pb.COMPRESSION_NONE, "fp16": pb.COMPRESSION_FP16, "bf16": pb.COMPRESSION_BF16}
 
 
