@@ -263,8 +263,8 @@ def test_layout_of_the_run_is_enforced():
             with pytest.raises(TransferError) as e:
                 await a.push(b, [torch.zeros(16), torch.zeros(3, dtype=torch.int64)])
             assert e.value.reason == "layout_mismatch"
-            await a.push(b, [torch.ones(4, 4), torch.zeros(3, dtype=torch.int64)])
-            (await take(b)).release()
+            await a.push(b, Outgoing.of([torch.ones(4, 4), torch.zeros(3, dtype=torch.int64)], ["w", "step"]))
+            (await take(b)).release()                  # names are labels: not part of the check
             await a.push(b, [torch.ones(4)], kind="probe")   # other kinds are not bound to it
             (await take(b)).release()
     run(main())

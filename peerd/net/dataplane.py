@@ -195,7 +195,7 @@ class BufferPool:
 
     def put(self, buf: torch.Tensor) -> None:
         n = buf.numel()
-        if n > self.max_idle:
+        if n < 4096 or n > self.max_idle:  # tiny buffers are cheap to make; keep the lists short
             return
         while self.idle_bytes + n > self.max_idle and self.idle:
             size, bufs = next(iter(self.idle.items()))  # drop the least recently used size first
@@ -294,7 +294,7 @@ class DataPlane:
 
     # -- configuration ---------------------------------------------------------------------------
     def set_layout(self, kind: str, layout: tw.Layout | None) -> None:
-        """Refuse transfers of `kind` whose layout differs from `layout` (None: accept any)."""
+        """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any)."""
         if layout is None:
             self.layouts.pop(kind, None)
         else:
@@ -439,7 +439,7 @@ class DataPlane:
             raise TransferError("bad_layout", f"header.wire_bytes {h.wire_bytes} does not match the "
                                 f"{wire.nbytes} bytes the layout has on the wire")
         want = self.layouts.get(h.kind)
-        if want is not None and want != layout:
+        if want is not None and not want.same_shapes(layout):
             raise TransferError("layout_mismatch", f"layout of {h.kind!r} differs from the run's "
                                 f"({_diff(want, layout)})", grpc.StatusCode.FAILED_PRECONDITION)
         compressed = wire.nbytes != layout.nbytes

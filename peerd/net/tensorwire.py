@@ -127,6 +127,10 @@ class Layout:
             out.append(spec)
         return cls(tuple(out))
 
+    def same_shapes(self, other: "Layout") -> bool:
+        """Same dtypes and shapes in the same order (names are labels only)."""
+        return [(s.dtype, s.shape) for s in self.specs] == [(s.dtype, s.shape) for s in other.specs]
+
     def wire(self, compression: int) -> "Layout":
         """The layout as it travels: float32 tensors cast when compressed."""
         to = _CAST_TO.get(compression)
