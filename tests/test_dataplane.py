@@ -101,6 +101,13 @@ def test_concurrent_pushes_to_three_peers():
             for p in peers:
                 with await take(p) as rec:
                     assert all(same_bytes(x, y) for x, y in zip(rec.tensors(), data[p.id]))
+            # one snapshot to all three at once: checksummed once, verified by each receiver
+            snap = Outgoing.of([torch.randn(200_000)])
+            await asyncio.gather(*(a.push(p, snap, iteration=6) for p in peers))
+            assert snap.checksum == zlib.crc32(snap.pieces[0])
+            for p in peers:
+                with await take(p) as rec:
+                    assert rec.iteration == 6 and same_bytes(rec.tensors()[0], snap.keep[0])
     run(main())
 
 

@@ -124,10 +124,15 @@ class Received:
 
 @dataclass
 class Outgoing:
-    """Bytes to send: a layout and the memoryviews that hold it, in order (no copy made)."""
+    """Bytes to send: a layout and the memoryviews that hold it, in order (no copy made).
+
+    The bytes must not change while an Outgoing is in use: its crc32 is computed on the first
+    push and reused by later ones (a snapshot pushed to k peers is checksummed once)."""
     layout: tw.Layout
     pieces: list[memoryview]
     keep: tuple = ()              # owners of the memory behind `pieces`
+    checksum: int | None = None   # crc32 of the bytes, filled in by the first push
+    _pending: Any = field(default=None, repr=False)   # the first push's checksum in progress
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> "Outgoing":
@@ -597,6 +602,8 @@ class DataPlane:
         total = sum(len(p) for p in pieces)
         if total != data.layout.nbytes:
             raise ValueError(f"data: {total} bytes for a layout of {data.layout.nbytes}")
+        if checksum is None and not compressed:
+            checksum = data.checksum
         if compressed:
             scratch = await self.pool.get(wire.nbytes)
             cast_error = await asyncio.to_thread(tw.compress, data.layout, pieces, scratch, comp, measure)
@@ -604,7 +611,12 @@ class DataPlane:
             checksum = None  # a known checksum is of the uncompressed bytes
         algo = self.cfg.dataplane_checksum
         if algo == "crc32" and checksum is None:
-            checksum = await self.checksum(pieces)
+            if compressed:
+                checksum = await self.checksum(pieces)
+            else:  # concurrent first pushes of one snapshot share one computation
+                if data._pending is None:
+                    data._pending = asyncio.ensure_future(self.checksum(pieces))
+                checksum = data.checksum = await asyncio.shield(data._pending)
         return _Prepared(self, data, data.layout, comp, pieces, wire.nbytes, algo,
                          checksum or 0, next(self._ids), cast_error, scratch)
 
