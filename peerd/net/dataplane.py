@@ -19,6 +19,19 @@ Design choices (measured, see shared/research/engineering.md §1-§3):
   allocations go to threads (zlib and torch release the GIL); per-chunk work is ~0.1 ms.
 - Every refusal raises/returns a `TransferError` with a reason, logs one line at the receiver and
   counts in `metrics()`; nothing refused reaches the daemon's callback.
+
+Use from the daemon:
+
+    dp = DataPlane(cfg, node_id, run_id, on_received=queue_or_callback, source=snapshot_for)
+    handlers = {**control_handlers, **dp.method_handlers()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    channel = grpc.aio.insecure_channel(addr, options=grpc_options(cfg))   # same for the server
+    await dp.push(channel, peer_id, Outgoing.from_buffer(slot, layout), metadata=auth(),
+                  iteration=k)                                            # -> PushResult
+    rec = await dp.pull(channel, peer_id, metadata=auth(), min_iteration=k)  # -> Received
+    ... rec.tensors() / rec.buffer ...; rec.release()                     # from the event loop
+    dp.set_layout("model", layout)    # refuse model transfers of any other dtypes/shapes
+    dp.close()                        # at shutdown
 """
 from __future__ import annotations
 
@@ -167,9 +180,7 @@ class PushResult:
     cast_error: tw.CastError | None
 
 
-# on_received: an asyncio.Queue, or a callable (sync or async) taking a Received.
-Sink = "asyncio.Queue[Received] | Callable[[Received], Awaitable[None] | None]"
-# source(requester, kind, min_iteration) -> Snapshot | None (sync or async)
+# source(requester, kind, min_iteration) -> Snapshot | None, sync or async: what a pull serves
 Source = Callable[[str, str, int], "Snapshot | None | Awaitable[Snapshot | None]"]
 
 
@@ -264,8 +275,11 @@ class Budget:
 class DataPlane:
     """Server handlers and client calls for tensor transfers of one node in one run."""
 
-    def __init__(self, config: Config, node_id: str, run_id: str, on_received: Any,
+    def __init__(self, config: Config, node_id: str, run_id: str,
+                 on_received: asyncio.Queue[Received] | Callable[[Received], Awaitable[None] | None],
                  source: Source | None = None):
+        """`on_received` gets each verified transfer (a Queue is awaited at most
+        `dataplane_deliver_timeout`); `source` answers pulls (None: every pull is NOT_FOUND)."""
         self.cfg = config
         self.node_id = node_id
         self.run_id = run_id
@@ -489,11 +503,11 @@ class DataPlane:
         except TransferError as e:
             self._refuse(e, peer, "pull")
             await context.abort(e.code, f"{e.reason}: {e.details}")
+        stall = self.cfg.dataplane_stall_timeout
         try:
             prep = await self._prepare(snap.data, req.compression, snap.checksum, measure=False)
             try:
                 header = self._header(prep, snap.iteration, kind)
-                stall = self.cfg.dataplane_stall_timeout
                 loop = asyncio.get_running_loop()
                 async with asyncio.timeout(stall) as guard:
                     await context.write(header)
