@@ -246,12 +246,12 @@ def bench() -> None:
 @bench.command("transport")
 @click.option("--sizes", default="1MB,25MB,100MB,1GB", show_default=True,
               help="comma-separated buffer sizes for the loopback comparison")
-@click.option("--reps", default=3, show_default=True, help="timed transfers per size (after one warm-up)")
+@click.option("--reps", default=5, show_default=True, help="timed transfers per size (after one warm-up)")
 @click.option("--lab/--no-lab", default=None,
               help="also measure across two shaped namespaces (default: when run as root)")
 @click.option("--rates", default="100mbit,1gbit", show_default=True, help="shaped link rates")
-@click.option("--shaped-sizes", default="25MB", show_default=True, help="buffer sizes over shaped links")
-@click.option("--shaped-reps", default=1, show_default=True, help="timed transfers per size over shaped links")
+@click.option("--shaped-sizes", default="25MB,100MB", show_default=True, help="buffer sizes over shaped links")
+@click.option("--shaped-reps", default=3, show_default=True, help="timed transfers per size over shaped links")
 @click.option("--chunk-bytes", type=int, default=None, help="override dataplane_chunk_bytes")
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per (path, size)")
 def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes: str, shaped_reps: int,
@@ -272,3 +272,7 @@ def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes:
             click.echo(json.dumps(asdict(r)))
     else:
         click.echo(table(records))
+
+
+if __name__ == "__main__":  # `python -m cli.bench transport ...` (the same as `peerd bench transport`)
+    bench()
