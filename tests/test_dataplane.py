@@ -369,3 +369,18 @@ def test_receiver_caps_concurrent_pushes_per_peer():
             assert (await raw_push(a.channel(b), frames))[0] == grpc.StatusCode.OK
             (await take(b)).release()
     run(main())
+
+
+def test_transfer_the_daemon_does_not_take_is_refused_and_freed():
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            full: asyncio.Queue = asyncio.Queue(maxsize=1)
+            b.dp.on_received = full
+            await a.push(b, [torch.zeros(10_000)])
+            with pytest.raises(TransferError) as e:
+                await a.push(b, [torch.zeros(10_000)])
+            assert e.value.reason == "not_taken" and e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert b.dp.budget.used_total == 40_000          # only the one in the queue is held
+            full.get_nowait().release()
+            assert b.dp.budget.used_total == 0
+    run(main())
