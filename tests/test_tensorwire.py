@@ -171,3 +171,15 @@ def test_fp16_overflow_is_counted():
     wbuf = torch.zeros(layout.wire(pb.COMPRESSION_FP16).nbytes, dtype=torch.uint8)
     err = tw.compress(layout, [tw.byte_view(x)], wbuf, pb.COMPRESSION_FP16)
     assert err.overflow == 2
+
+
+def test_overflow_count_is_exact_beyond_the_error_sample():
+    x = torch.randn(3_000_001)
+    spots = [1, 7, 1_000_003, 2_999_999, 3_000_000]   # not all on the sample's stride
+    x[spots] = 1e6
+    x[5] = float("inf")                                  # already infinite: not an overflow
+    layout = tw.Layout.of([x])
+    wbuf = torch.zeros(layout.wire(pb.COMPRESSION_FP16).nbytes, dtype=torch.uint8)
+    err = tw.compress(layout, [tw.byte_view(x)], wbuf, pb.COMPRESSION_FP16)
+    assert err.overflow == len(spots)
+    assert 0 < err.sampled < x.numel() and 0 < err.rel_l2 <= 2 ** -11
