@@ -384,3 +384,29 @@ def test_transfer_the_daemon_does_not_take_is_refused_and_freed():
             full.get_nowait().release()
             assert b.dp.budget.used_total == 0
     run(main())
+
+
+def test_sender_that_vanishes_mid_stream_frees_everything():
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            frames, _ = good_frames(n=100_000)
+            gate = asyncio.Event()
+
+            async def gen():
+                for f in frames[:5]:
+                    yield f
+                await gate.wait()                      # never set: the call is cancelled here
+
+            call = a.channel(b).stream_unary(PUSH_METHOD)(gen(), metadata=a.meta(), timeout=10)
+            for _ in range(100):                       # until the receiver holds the transfer
+                await asyncio.sleep(0.02)
+                if b.dp.budget.used_total:
+                    break
+            assert b.dp.budget.used_total == 100_000
+            call.cancel()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not b.dp.budget.used_total:
+                    break
+            assert b.dp.budget.used_total == 0 and b.dp.rejected["cancelled"] == 1 and b.inbox.empty()
+    run(main())
