@@ -20,6 +20,9 @@ def _register() -> None:
     cli.add_command(demo_cmds.demo)
     cli.add_command(lab_cmds.lab)
 
+    from cli import bench as bench_cmds
+    cli.add_command(bench_cmds.bench)
+
 
 _register()
 

@@ -62,6 +62,25 @@ class Config:
     # --- message limits -----------------------------------------------------------------------
     max_control_message_bytes: int = _f(4 * 1024 * 1024, "largest control-plane message accepted, bytes")
 
+    # --- data plane (tensor transfers; peerd/net/dataplane.py) ------------------------------------
+    dataplane_chunk_bytes: int = _f(1 << 20, "bytes of tensor data per stream message (1 MiB measured best)")
+    dataplane_max_transfer_bytes: int = _f(4 << 30, "largest tensor buffer accepted in one transfer, bytes")
+    dataplane_peer_bytes: int = _f(4 << 30, "receive bytes held per peer (in flight or not yet released)")
+    dataplane_total_bytes: int = _f(8 << 30, "receive bytes held over all peers")
+    dataplane_admit_timeout: float = _f(5.0, "seconds a transfer waits for the byte budget before it is refused")
+    dataplane_stall_timeout: float = _f(20.0, "seconds without a stream message before a transfer is aborted")
+    dataplane_min_rate: int = _f(1_000_000, "bytes/s below which a transfer is too slow: sets its deadline")
+    dataplane_max_rpcs_per_peer: int = _f(4, "data-plane RPCs in flight to (and accepted from) one peer")
+    dataplane_max_header_bytes: int = _f(1 << 20, "largest tensor header (the layout) accepted, bytes")
+    dataplane_max_tensors: int = _f(1 << 16, "most tensors in one transfer's layout")
+    dataplane_pool_bytes: int = _f(4 << 30, "idle receive/scratch buffers kept for reuse, bytes")
+    dataplane_deliver_timeout: float = _f(5.0, "seconds a received transfer waits for the daemon to take it")
+    dataplane_checksum: str = _f("crc32", "checksum of sent transfers: crc32 or none", choices=("crc32", "none"))
+    dataplane_compression: str = _f("none", "cast float32 tensors on the wire: none, fp16 or bf16",
+                                    choices=("none", "fp16", "bf16"))
+    keepalive_interval: float = _f(10.0, "seconds between gRPC keepalive pings on idle connections")
+    keepalive_timeout: float = _f(5.0, "seconds to wait for a keepalive ack before the connection is dead")
+
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "
                           "(default: <data dir>/lab)", scope="lab")
@@ -166,3 +185,9 @@ def validate(cfg: Config) -> None:
         host, sep, port = getattr(cfg, addr_field).rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"{addr_field}: expected HOST:PORT, got {getattr(cfg, addr_field)!r}")
+    if not 4096 <= cfg.dataplane_chunk_bytes <= 64 << 20:
+        raise ConfigError(f"dataplane_chunk_bytes ({cfg.dataplane_chunk_bytes}) must be within 4 KiB..64 MiB")
+    if cfg.dataplane_max_rpcs_per_peer < 1:
+        raise ConfigError(f"dataplane_max_rpcs_per_peer ({cfg.dataplane_max_rpcs_per_peer}) must be at least 1")
+    if cfg.dataplane_min_rate <= 0:
+        raise ConfigError(f"dataplane_min_rate ({cfg.dataplane_min_rate}) must be positive")
