@@ -14,11 +14,13 @@ def _register() -> None:
     from cli import daemon_cmds
     from cli import demo as demo_cmds
     from cli import lab as lab_cmds
+    from cli import train as train_cmds
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
     cli.add_command(demo_cmds.demo)
     cli.add_command(lab_cmds.lab)
+    cli.add_command(train_cmds.train)
 
     from cli import bench as bench_cmds
     cli.add_command(bench_cmds.bench)

@@ -81,6 +81,13 @@ class Config:
     keepalive_interval: float = _f(10.0, "seconds between gRPC keepalive pings on idle connections")
     keepalive_timeout: float = _f(5.0, "seconds to wait for a keepalive ack before the connection is dead")
 
+    # --- training runs in the daemon (peerd train; peerd/node/training.py) ---------------------
+    train_join_timeout: float = _f(60.0, "seconds `peerd train` waits for the run's world to be present")
+    train_early_updates: int = _f(64, "peers' updates held when they arrive before this host's run starts")
+    train_progress_interval: float = _f(0.5, "seconds between progress records streamed to `peerd train`")
+    train_max_restarts: int = _f(5, "times a crashed trainer is restarted from its checkpoint before the run fails")
+    train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
+
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "
                           "(default: <data dir>/lab)", scope="lab")

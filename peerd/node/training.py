@@ -539,3 +539,58 @@ class TrainingRun:
         return {"rank": self.rank, "world": self.n, "algorithm": self.spec.algorithm,
                 "policy": self.policy.state(), "held_updates": len(self.received),
                 "dropped_nonfinite": self.dropped_nonfinite}
+
+
+def form_world(daemon: "Daemon", world: int) -> list[str] | None:
+    """This node and the first world-1 alive peers by node id, sorted: every host that sees the
+    same swarm forms the same world. None while too few peers are alive."""
+    alive = daemon.membership.alive()
+    if len(alive) < world - 1:
+        return None
+    return sorted([daemon.node_id, *sorted(alive)[:world - 1]])
+
+
+async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc.aio.ServicerContext):
+    """The Train RPC: form the world, run the trainer, stream progress; the caller leaving stops it."""
+    try:
+        spec = RunSpec.from_request(request, daemon.cfg.train_join_timeout)
+    except RunError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
+    if daemon.run is not None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "peerd: a training run is already active on this daemon")
+    started = time.monotonic()
+    nodes = form_world(daemon, spec.world)
+    while nodes is None:
+        waited = time.monotonic() - started
+        if waited > spec.join_timeout:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"peerd: only {len(daemon.membership.alive()) + 1} of {spec.world} hosts present "
+                                f"after {spec.join_timeout:.0f}s")
+        yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited,
+                                message=f"{len(daemon.membership.alive()) + 1} of {spec.world} hosts present")
+        await asyncio.sleep(0.5)
+        nodes = form_world(daemon, spec.world)
+    try:
+        run = TrainingRun(daemon, spec, nodes)
+    except (ValueError, RunError) as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
+    daemon.start_run(run)
+    log.info("run %s: rank %d of %d, %s on %s, world %s", daemon.cfg.run_id, run.rank, run.n, spec.algorithm,
+             spec.topology, ", ".join(nodes))
+    yield cpb.TrainProgress(state="waiting", rank=run.rank, world=run.n,
+                            message=f"world formed: rank {run.rank} of {run.n}; starting the trainer")
+    supervisor = asyncio.get_running_loop().create_task(run.supervise())
+    try:
+        while not run.done.is_set():
+            try:
+                await asyncio.wait_for(run.changed.wait(), daemon.cfg.train_progress_interval)
+            except asyncio.TimeoutError:
+                pass
+            run.changed.clear()
+            yield run.progress_message()
+        yield run.progress_message()
+    finally:
+        supervisor.cancel()
+        await run.stop()
+        daemon.end_run(run)
