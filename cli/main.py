@@ -15,6 +15,9 @@ def _register() -> None:
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
+    from cli import sim as sim_cmds
+
+    cli.add_command(sim_cmds.sim)
 
 
 _register()

@@ -178,9 +178,10 @@ class Simulator:
             self.k[i] = k
             if self.on_publish:
                 self.on_publish(self, i, k)
-            if self.X is not None:
-                self.own[i] = (k, self.X[i].copy())
-            self._act(i, self.pol[i].on_event(Published(k), self.now), publish_ok=False)
+            self.own[i] = (k, self.X[i].copy() if self.X is not None else None)
+            # A finished worker keeps serving pulls with its final parameters but starts nothing.
+            acts = self.pol[i].on_event(Published(k), self.now)
+            self._act(i, [a for a in acts if type(a) not in (Send, Pull)], publish_ok=False)
             return
         self.k[i] = k
         if self.X is not None:

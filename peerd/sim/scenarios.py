@@ -32,7 +32,7 @@ def scenario(name: str, n: int = 8, seed: int = 0) -> tuple[SimSpec, str]:
         raise ValueError(f"scenario: unknown {name!r}; known: {', '.join(SCENARIOS)}")
     if n < 4 or n % 2:
         raise ValueError(f"workers: scenarios need an even number >= 4, got {n}")
-    base = SimSpec(n=n, params=1000, iterations=2000, compute=0.1, bandwidth=1e9, latency=1e-4,
+    base = SimSpec(n=n, params=1000, iterations=400, compute=0.1, bandwidth=1e9, latency=1e-4,
                    lr=0.05, seed=seed, target=1e-3, hetero=0.1)
     if name == "straggler":
         return replace(base, factors={0: 4.0}), "ring"
@@ -41,7 +41,8 @@ def scenario(name: str, n: int = 8, seed: int = 0) -> tuple[SimSpec, str]:
     site = np.arange(n) // (n // 2)
     intra = base.params * base.bytes_per_param / 0.05      # a model crosses a site in 50 ms
     bw = np.where(site[:, None] == site[None, :], intra, intra / 10)
-    return replace(base, compute=0.05, bandwidth=bw, latency=1e-3, hetero=0.5, target=3e-3), "complete"
+    return replace(base, compute=0.05, bandwidth=bw, latency=1e-3, hetero=0.5, target=3e-3,
+                   iterations=2000), "complete"
 
 
 def run(algorithm: str, spec: SimSpec, topo_name: str = "ring", *, weighting: str = "uniform",
@@ -64,4 +65,32 @@ def run_scenario(name: str, n: int = 8, seed: int = 0, algorithms: list[str] | N
         rec = r.record()
         rec["scenario"] = name
         out.append(rec)
+    return out
+
+
+def claims(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The papers' qualitative claims checked on a scenario's records (ratio <= bound holds)."""
+    t = {r["algorithm"]: r["time_to_target"] for r in records}
+
+    def ratio(a: str, b: str) -> float | None:
+        if t.get(a) is None or not t.get(b):
+            return None
+        return t[a] / t[b]
+
+    out = []
+    if name == "straggler":
+        for a in ("hop-backup-skip", "hop-staleness-skip"):
+            out.append({"claim": f"{a} time to target <= 0.6 x d-psgd (Hop, deterministic slowdown)",
+                        "ratio": ratio(a, "d-psgd"), "bound": 0.6})
+    elif name == "two-sites":
+        out.append({"claim": "netmax time to target <= 0.6 x ad-psgd (NetMax, two sites)",
+                    "ratio": ratio("netmax", "ad-psgd"), "bound": 0.6})
+        out.append({"claim": "netmax time to target <= netmax-uniform (optimised vs uniform peers)",
+                    "ratio": ratio("netmax", "netmax-uniform"), "bound": 1.0})
+    elif name == "random-slowdown":
+        for a in ("hop-backup", "hop-staleness"):
+            out.append({"claim": f"{a} time to target <= d-psgd (Hop, random slowdown)",
+                        "ratio": ratio(a, "d-psgd"), "bound": 1.0})
+    for c in out:
+        c["holds"] = c["ratio"] is not None and c["ratio"] <= c["bound"]
     return out

@@ -58,3 +58,22 @@ def build(name: str, n: int, topo: Topology, *, seed: int = 0, **opts: Any) -> l
     if name == "sgp":
         return [SGP(i, n=n) for i in range(n)]
     raise AssertionError(name)
+
+
+def options(cfg: Any, algorithm: str | None = None) -> dict[str, Any]:
+    """Policy options for `build` from a peerd Config (the daemon's and `peerd sim`'s defaults)."""
+    name = algorithm or cfg.sync_algorithm
+    o: dict[str, Any] = {}
+    if name.startswith("hop"):
+        o["max_ig"] = cfg.hop_max_ig
+        o["max_skip"] = cfg.hop_max_skip
+        if "backup" in name:
+            o["backup"] = cfg.hop_backup
+        if "staleness" in name:
+            o["staleness"] = cfg.hop_staleness if cfg.hop_staleness >= 0 else 2
+    elif name == "aau":
+        o["staleness"] = cfg.aau_staleness
+    elif name.startswith("netmax"):
+        o.update(gamma=cfg.netmax_gamma, resolve_frac=cfg.netmax_resolve_frac,
+                 consensus=cfg.netmax_consensus)
+    return o
