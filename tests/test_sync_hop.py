@@ -125,3 +125,18 @@ def test_state_reports_gaps_tokens_queues():
     s = p.state()
     assert s["tokens"] == {1: 3, 3: 3} and s["queue"] == {1: 2} and s["gap"] == {1: -1}
     assert s["mode"] == "backup1"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_silent_crash_stops_neighbours_at_max_ig_and_the_run_reports_a_stall(mode):
+    # Without a PeerDown (detection never comes) tokens hold the senders max_ig past the silent
+    # peer: the gap bound is a hard guarantee; the simulator ends the run and says it stalled.
+    topo = T.ring(5)
+    spec = random_spec(1, 5, params=4, iterations=60, p_slow=0.0, crash={0: 1.0}, detect=1e9,
+                       max_time=1e4)
+    sim = Simulator(spec, hop_policies(topo, 2, mode))
+    res = sim.run()
+    assert res.stalled
+    crashed_at = sim.k[0]
+    for j in topo.out_neighbors(0):
+        assert crashed_at + 1 <= sim.k[j] <= crashed_at + 2   # ran up to the bound, not past it

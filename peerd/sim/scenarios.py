@@ -75,7 +75,7 @@ def claims(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def ratio(a: str, b: str) -> float | None:
         if t.get(a) is None or not t.get(b):
             return None
-        return t[a] / t[b]
+        return float(t[a] / t[b])
 
     out = []
     if name == "straggler":
@@ -92,5 +92,5 @@ def claims(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"claim": f"{a} time to target <= d-psgd (Hop, random slowdown)",
                         "ratio": ratio(a, "d-psgd"), "bound": 1.0})
     for c in out:
-        c["holds"] = c["ratio"] is not None and c["ratio"] <= c["bound"]
+        c["holds"] = bool(c["ratio"] is not None and c["ratio"] <= c["bound"])
     return out
