@@ -329,7 +329,8 @@ class Simulator:
         s = self.spec
         if s.estimates != "none":
             m = self.estimates(s.estimates)
-            ev = LinkEstimates(tuple(tuple(float(x) for x in row) for row in m), effective_k=0)
+            m.flags.writeable = False
+            ev = LinkEstimates(m, effective_k=0)
             for i in range(s.n):
                 self._act(i, self.pol[i].on_event(ev, 0.0))
         for i, t in s.crash.items():

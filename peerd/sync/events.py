@@ -13,6 +13,7 @@ Design:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 CURRENT = -1  # iteration tag of "my working parameters now" (only in self entries / live sends)
 
@@ -65,12 +66,13 @@ class PeerUp:
     k: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LinkEstimates:
     """Measured expected times, times[i][j] (seconds; see each policy for what it expects: arrival
-    delay of j's model at i, or i's iteration time when it syncs with j). `effective_k` is the
+    delay of j's model at i, or i's iteration time when it syncs with j), as nested tuples or a
+    read-only numpy array (one shared array for many policies in one process). `effective_k` is the
     iteration from which a policy that needs agreement between workers (AAU) applies them."""
-    times: tuple[tuple[float, ...], ...]
+    times: Any
     effective_k: int = 0
 
 

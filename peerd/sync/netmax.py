@@ -220,6 +220,8 @@ class NetMax(Policy):
         self.want = -1
 
     def _live_adj(self) -> np.ndarray:
+        if not self.dead:
+            return self.adj
         a = self.adj.copy()
         for d in self.dead:
             a[d, :] = False

@@ -67,6 +67,7 @@ class Graph(Topology):
         if self.weighting not in ("uniform", "mh"):
             raise ValueError(f"weighting: expected uniform or mh, got {self.weighting!r}")
         np.fill_diagonal(a, False)
+        a.flags.writeable = False  # shared by every policy built on this graph
         self.adj = a
         self.n = a.shape[0]
         self.directed = not np.array_equal(a, a.T)
@@ -87,6 +88,9 @@ class Graph(Topology):
         row = {j: 1.0 / (1 + max(d[i], d[j])) for j in nb}
         row[i] = 1.0 - sum(row.values())
         return row
+
+    def adjacency(self, k: int = 0) -> np.ndarray:
+        return self.adj
 
     def out_neighbors(self, i: int, k: int = 0) -> tuple[int, ...]:
         return self._out[i]
