@@ -74,3 +74,26 @@ def test_tree_prefers_fast_links():
 def test_refuses_directed_graphs():
     with pytest.raises(ValueError, match="undirected"):
         AAU(0, T.OnePeerExp(4, directed=True))
+
+
+def test_link_change_mid_run_switches_every_worker_at_the_same_iteration():
+    # Ring-with-chords graph; at t=2 the fast links become slow and vice versa.
+    n = 8
+    topo = random_graph(11, n, extra=0.4)
+    rng = np.random.default_rng(2)
+    bw1 = rng.uniform(1e3, 1e6, (n, n))
+    bw2 = 1e9 / bw1
+    pols = [AAU(i, topo) for i in range(n)]
+    waited: dict[int, dict[int, tuple[int, ...]]] = defaultdict(dict)
+    spec = random_spec(11, n, params=200, iterations=40, estimates="arrival", bandwidth=bw1,
+                       latency=1e-3, p_slow=0.0, bandwidth_changes={2.0: bw2})
+    sim = Simulator(spec, pols, on_mix=lambda s, i, m: waited[m.k].__setitem__(i, m.waited))
+    res = sim.run()
+    assert min(res.iterations) >= spec.iterations
+    assert all(p.late == 0 and len(p.versions) == 3 for p in pols)
+    trees = set()
+    for k, per in waited.items():
+        edges = frozenset((j, i) for i, w in per.items() for j in w)
+        assert strongly_connected(list(range(n)), set(edges)), k
+        trees.add(edges)
+    assert len(trees) == 2           # the tree changed once, for everyone at once

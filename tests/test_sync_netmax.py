@@ -92,3 +92,24 @@ def test_policy_pulls_by_probability_and_resolves_on_changes():
     assert picks.count(1) > picks.count(2) and picks.count(1) > picks.count(3)
     p.on_event(PeerDown(1), 300)
     assert p.row()[1] == 0 and abs(p.row().sum() - 1) < 1e-12
+
+
+def test_simulated_link_change_triggers_a_resolve_towards_the_new_fast_links():
+    from dataclasses import replace
+
+    from peerd.sim.engine import Simulator
+    from peerd.sim.scenarios import scenario
+
+    spec, _ = scenario("two-sites", 8)
+    n = spec.n
+    same = (np.arange(n)[:, None] // 4) == (np.arange(n)[None, :] // 4)
+    fast = spec.bandwidth.max()
+    flipped = np.where(same, fast / 10, fast)          # now the other site is close
+    spec = replace(spec, estimates="pull", iterations=60, stop_at_target=False,
+                   bandwidth_changes={1.0: flipped})
+    pols = [nm.NetMax(i, T.complete(n), seed=0) for i in range(n)]
+    res = Simulator(spec, pols).run()
+    assert min(res.iterations) >= 60
+    assert all(p.solves == 2 for p in pols)
+    row = pols[0].row()
+    assert row[~same[0]].min() > row[same[0] & (np.arange(n) != 0)].max()

@@ -61,6 +61,7 @@ class SimSpec:
     noise: float = 0.01
     cond: float = 4.0
     estimates: str = "none"            # none | arrival | pull: which matrix LinkEstimates carries
+    bandwidth_changes: dict[float, Any] = field(default_factory=dict)  # time -> new bandwidth
 
 
 @dataclass
@@ -122,7 +123,7 @@ def _matrix(v: Any, n: int, name: str) -> Any:
 
 
 # Heap entry kinds.
-_DELIVER, _COMPUTED, _EVAL, _CRASH = 0, 1, 2, 3
+_DELIVER, _COMPUTED, _EVAL, _CRASH, _LINKS = 0, 1, 2, 3, 4
 
 
 class Simulator:
@@ -323,18 +324,26 @@ class Simulator:
             return c[None, :] + xfer
         return np.maximum(c[:, None], xfer + lat)
 
+    def _announce(self, effective_k: int) -> None:
+        """Give every live worker the current link estimates at the same instant."""
+        if self.spec.estimates == "none":
+            return
+        m = self.estimates(self.spec.estimates)
+        m.flags.writeable = False
+        ev = LinkEstimates(m, effective_k=effective_k)
+        for i in range(self.spec.n):
+            if self.alive[i]:
+                self._act(i, self.pol[i].on_event(ev, self.now))
+
     def run(self) -> SimResult:
         import time as _time
         wall = _time.perf_counter()
         s = self.spec
-        if s.estimates != "none":
-            m = self.estimates(s.estimates)
-            m.flags.writeable = False
-            ev = LinkEstimates(m, effective_k=0)
-            for i in range(s.n):
-                self._act(i, self.pol[i].on_event(ev, 0.0))
+        self._announce(0)
         for i, t in s.crash.items():
             self._push(t, _CRASH, i, None)
+        for t, bw in s.bandwidth_changes.items():
+            self._push(t, _LINKS, -1, _matrix(bw, s.n, "bandwidth_changes"))
         every = s.eval_every or s.compute / 2
         if self.X is not None:
             self._eval()
@@ -370,6 +379,11 @@ class Simulator:
                     if t - self.last_progress > 10 * every:
                         nxt = max(nxt, self.heap[0][0])
                     self._push(nxt, _EVAL, -1, None)
+            elif kind == _LINKS:
+                self.bw = payload
+                # Takes effect one iteration past the most advanced worker: nobody has mixed it yet,
+                # so every worker switches at the same iteration (what AAU's agreement needs).
+                self._announce(max(self.k) + 1)
             elif kind == _CRASH:
                 self.alive[i] = False
                 self.finish[i] = t
