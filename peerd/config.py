@@ -101,6 +101,23 @@ class Config:
     lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")
     lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
 
+    # --- sync policy (peerd/sync; read by the daemon and by `peerd sim`) -----------------------
+    sync_algorithm: str = _f("hop-backup-skip", "sync algorithm: d-psgd, hop, hop-backup, hop-staleness, "
+                                                "hop-backup-skip, hop-staleness-skip, aau, netmax, "
+                                                "netmax-uniform, netmax-inv, netmax-invsqrt, ad-psgd, sgp")
+    sync_topology: str = _f("ring", "graph: ring, torus, complete, exp, exp-directed, aer, links",
+                            choices=("ring", "torus", "complete", "exp", "exp-directed", "aer", "links"))
+    sync_weighting: str = _f("uniform", "mixing weights: uniform or mh (Metropolis-Hastings)",
+                             choices=("uniform", "mh"))
+    hop_max_ig: int = _f(4, "Hop: most iterations a sender may run ahead of a receiver (initial tokens per edge)")
+    hop_backup: int = _f(1, "Hop: in-neighbours not waited for in each iteration (backup workers)")
+    hop_staleness: int = _f(-1, "Hop: staleness bound s in iterations (-1: off)")
+    hop_max_skip: int = _f(4, "Hop: most iterations a slow worker skips at once")
+    aau_staleness: int = _f(2, "DSGD-AAU: oldest iteration lag of a non-waited neighbour's model still mixed")
+    netmax_gamma: float = _f(0.5, "NetMax: consensus weight of the pulled model")
+    netmax_resolve_frac: float = _f(0.2, "NetMax: relative change of a link estimate that triggers a re-solve")
+    netmax_consensus: float = _f(0.3, "NetMax: weight of the consensus term in the time-to-converge model")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser()
