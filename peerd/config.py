@@ -75,6 +75,10 @@ class Config:
     lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")
     lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
 
+    # --- trainer side (peerd.train) -------------------------------------------------------------
+    train_mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
+                                        "iteration before giving up with an error", scope="train")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser()
