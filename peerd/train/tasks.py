@@ -166,7 +166,7 @@ class Svm(_Classification):
     name = "svm"
     classes = 2
     metric = "accuracy"
-    defaults = dict(inner="sgd", lr=0.05, momentum=0.0, weight_decay=1e-4, batch_size=32)
+    defaults = dict(inner="sgd", lr=0.2, momentum=0.0, weight_decay=1e-4, batch_size=32)
 
     def __init__(self, features: int = 100, density: float = 0.1, train: int = 4000, test: int = 1000,
                  flip: float = 0.05) -> None:
