@@ -115,3 +115,16 @@ def test_average_is_exact_mean():
     got = flats[0].layout.typed(avg)[0]
     want = torch.stack([f.views(f.buffer)[0] for f in flats]).mean(0)
     assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_all_finite_is_exact_even_when_the_sum_overflows():
+    from peerd.train.flat import all_finite
+    big = torch.full((8,), 3e38)                     # finite, but the float32 sum is inf
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(100)
+        t[37] = bad
+        assert not all_finite(t)
+    mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is nan
+    assert not all_finite(mixed)
+    assert all_finite(torch.randn(1000, dtype=torch.float16))

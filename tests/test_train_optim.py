@@ -315,3 +315,6 @@ def test_bad_arguments_are_named():
         DecentralizedOptimizer(m.parameters(), LocalGroup(1).worker(0), "accumadam", accum_iter=0)
     with pytest.raises(ValueError, match="betas must lie in"):
         DecentralizedOptimizer(m.parameters(), LocalGroup(1).worker(0), "adam", betas=(1.0, 0.9))
+    opt = DecentralizedOptimizer(m[0].parameters(), LocalGroup(1).worker(0), "sgd")
+    with pytest.raises(RuntimeError, match="parameter groups are fixed"):
+        opt.add_param_group({"params": m[2].parameters()})

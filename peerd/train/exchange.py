@@ -32,7 +32,7 @@ from typing import Protocol, Sequence
 import torch
 
 from peerd.config import Config
-from peerd.train.flat import Layout, LayoutMismatch
+from peerd.train.flat import Layout, LayoutMismatch, all_finite
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class LocalGroup:
         pool = self._pool[rank]
         snap = pool.pop() if pool else torch.empty_like(buf)
         snap.copy_(buf)
-        finite = all(bool(torch.isfinite(t).all()) for t in self._layout.typed(snap))
+        finite = all(all_finite(t) for t in self._layout.typed(snap))
         with self._cv:
             if not finite:
                 self.nonfinite_published[rank] += 1

@@ -13,9 +13,12 @@ Design:
   compare it with another; ``Layout.diff`` names the first difference.
 - Within a parameter group, parameters are ordered by dtype (stable), so a group of mixed dtypes
   still gives one run per dtype. Construct the flat buffer after moving the model to its device.
+- Only parameters are flattened (and mixed). Module buffers such as BatchNorm running statistics
+  stay local to each worker.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -140,6 +143,14 @@ class Layout:
             raise ValueError(f"expected a 1-D uint8 buffer of {self.total_bytes} bytes, got "
                              f"{buf.dtype} of shape {list(buf.shape)}")
         return [_view(buf, r.offset, r.numel, parse_dtype(r.dtype)) for r in self.runs()]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t``. A sum is non-finite whenever an element is, and summing is ~30x faster
+    than ``isfinite().all()``; only a non-finite sum (maybe overflow) pays for the exact check."""
+    if math.isfinite(t.sum().item()):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _view(buf: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

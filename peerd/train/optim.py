@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from peerd.train.exchange import Exchange, MixResult
-from peerd.train.flat import FlatParams
+from peerd.train.flat import FlatParams, all_finite
 
 _RULES = {"sgd": "sgd", "adam": "adam", "dadam": "adam", "adamw": "adamw", "dadamw": "adamw",
           "accumadam": "accumadam", "accumadamw": "accumadamw"}
@@ -79,6 +79,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if all("param_names" in g for g in self.param_groups):
             names = [list(g["param_names"]) for g in self.param_groups]
         self.flat = FlatParams(groups, names)
+        self._frozen = True
         self.layout = self.flat.layout
         self.exchange = exchange
         self.iteration = exchange.attach(self.layout)
@@ -90,6 +91,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._g = self.flat.views(self.flat.grad_buffer)
         self._bufs: dict[str, list[torch.Tensor]] = {}
         self._save: torch.Tensor | None = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_frozen", False):
+            raise RuntimeError("parameter groups are fixed once the flat buffer is built; "
+                               "create a new DecentralizedOptimizer instead")
+        super().add_param_group(param_group)
 
     # -- the two calls of an iteration ------------------------------------------------------
     def begin_step(self) -> None:
@@ -120,7 +127,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         mix = self._mix_views(res)
         finite = True
         if self.skip_nonfinite:
-            finite = all(bool(torch.isfinite(g).all()) for g in self._g)
+            finite = all(all_finite(g) for g in self._g)
         if finite:
             self.local_steps += 1
             self._update(mix)
