@@ -318,3 +318,55 @@ def test_bad_arguments_are_named():
     opt = DecentralizedOptimizer(m[0].parameters(), LocalGroup(1).worker(0), "sgd")
     with pytest.raises(RuntimeError, match="parameter groups are fixed"):
         opt.add_param_group({"params": m[2].parameters()})
+
+
+def test_zero_grad_publishes_before_the_gradient_is_computed():
+    group = LocalGroup(2, "ring")
+    models = [_net(0), _net(0)]
+    opts = [DecentralizedOptimizer(m.parameters(), group.worker(r), "sgd", lr=0.1)
+            for r, m in enumerate(models)]
+    for k, batch in enumerate(_batches(3)):
+        opts[0].zero_grad()
+        assert (0, k) in group._slots and (1, k) not in group._slots   # x_k is out, backward not run
+        opts[1].zero_grad()
+        for m in models:
+            _loss(m, batch).backward()
+        for o in opts:
+            o.step()
+    assert all(o.stats["late_publishes"] == 0 for o in opts)
+
+
+class _CorruptingExchange:
+    """Fault injection around a real LocalExchange: its mix result gets an Inf written into it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def attach(self, layout):
+        self.layout = layout
+        return self.inner.attach(layout)
+
+    def publish(self, iteration, buf):
+        self.inner.publish(iteration, buf)
+
+    def mix(self, iteration):
+        res = self.inner.mix(iteration)
+        self.layout.typed(res.params)[0][3] = float("inf")
+        return res
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_non_finite_mix_result_is_never_applied():
+    start = _net()
+    ours, ref = copy.deepcopy(start), copy.deepcopy(start)
+    opt = DecentralizedOptimizer(ours.parameters(), _CorruptingExchange(LocalGroup(1).worker(0)), "sgd", lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in _batches(3):
+        for m, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, batch).backward()
+            o.step()
+    assert opt.stats["nonfinite_mix"] == 3
+    assert _max_diff(ours, ref) < 1e-6      # the local steps went on from x_k

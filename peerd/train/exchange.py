@@ -19,8 +19,17 @@ Contract (every implementation):
 
 ``LocalGroup`` is the in-process implementation (N workers, one process, threads or phased
 stepping in one thread): synchronous neighbour averaging, D-PSGD's rule, with fixed weights.
-The daemon-backed implementation (control API + shared-memory slots) plugs in behind the same
-four methods.
+
+The daemon-backed implementation (control.proto) maps one to one:
+- attach: ``Attach(layout=[LayoutEntry(name, dtype, shape) for layout.specs()],
+  total_bytes=layout.total_bytes)``; the daemon rebuilds ``Layout.build(specs)`` and refuses with
+  ``its_layout.diff(sent)``; the reply's ``start_iteration`` is returned.
+- publish: copy ``buf`` into the next of the double-buffered shared-memory slots (the one memcpy;
+  from a GPU, a device-to-host copy), then ``Publish(k, slot, seq)`` without waiting for the reply
+  longer than needed to know it was accepted.
+- mix: ``Mix(k, slot)``; on the reply, ``params`` is a uint8 tensor over that slot's memory
+  (``torch.frombuffer``), ``skip_to`` the reply's skip_to when non-zero, ``used`` the number of
+  entries. The optimizer copies out of the slot before the next publish can reuse it.
 """
 from __future__ import annotations
 

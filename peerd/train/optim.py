@@ -22,7 +22,9 @@ Design choices:
   the result equals torch's SGD/Adam/AdamW step for step.
 - If ``step()`` runs without a publish for k (no ``zero_grad``/``begin_step``), it publishes then
   (correct, without overlap; counted as ``late_publishes``).
-- A gradient holding NaN/Inf is not applied: x_{k+1} = mix_k, states untouched, counted.
+- A gradient holding NaN/Inf is not applied: x_{k+1} = mix_k, states untouched, counted. A mix
+  result holding NaN/Inf (an exchange should never return one) is not applied either: the step
+  then starts from x_k, counted as ``nonfinite_mix``.
 - Bias corrections count local updates, not iterations, so a skip (``MixResult.skip_to``)
   moves the iteration counter without touching the moments' step count.
 """
@@ -85,7 +87,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.iteration = exchange.attach(self.layout)
         self.local_steps = 0
         self.skip_nonfinite = skip_nonfinite
-        self.stats = dict(steps=0, late_publishes=0, nonfinite_grads=0, dropped=0, unmixed=0, skips=0)
+        self.stats = dict(steps=0, late_publishes=0, nonfinite_grads=0, nonfinite_mix=0, dropped=0,
+                          unmixed=0, skips=0)
         self._published = False
         self._x = self.flat.views(self.flat.buffer)
         self._g = self.flat.views(self.flat.grad_buffer)
@@ -157,7 +160,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         buf = res.params
         if buf.device != self.flat.device:
             buf = buf.to(self.flat.device, non_blocking=True)
-        return self.flat.views(buf)
+        views = self.flat.views(buf)
+        if not all(all_finite(v) for v in views):   # an exchange must not do this; never apply it
+            self.stats["nonfinite_mix"] += 1
+            return self._x
+        return views
 
     def _state(self, name: str) -> list[torch.Tensor]:
         if name not in self._bufs:
