@@ -128,3 +128,11 @@ def test_all_finite_is_exact_even_when_the_sum_overflows():
     mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is nan
     assert not all_finite(mixed)
     assert all_finite(torch.randn(1000, dtype=torch.float16))
+
+
+def test_frozen_parameters_are_refused_by_name():
+    model = _net()
+    model[2].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match="parameter '2.bias' does not require grad"):
+        FlatParams([[p for _, p in model.named_parameters()]], [[n for n, _ in model.named_parameters()]])
+    assert len(flatten_module(model).layout.entries) == 3     # flatten_module keeps trainable ones

@@ -188,6 +188,10 @@ class FlatParams:
             for g in groups:
                 names.append([f"param{i + j}" for j in range(len(g))])
                 i += len(g)
+        frozen = [n for g, gn in zip(groups, names) for n, p in zip(gn, g) if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"parameter {frozen[0]!r} does not require grad: pass only trainable "
+                             "parameters (e.g. [p for p in model.parameters() if p.requires_grad])")
         ordered: list[tuple[int, str, torch.nn.Parameter]] = []
         for gi, (g, gn) in enumerate(zip(groups, names, strict=True)):
             order = {}

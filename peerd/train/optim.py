@@ -43,6 +43,17 @@ _RULES = {"sgd": "sgd", "adam": "adam", "dadam": "adam", "adamw": "adamw", "dada
 
 
 class DecentralizedOptimizer(torch.optim.Optimizer):
+    """``DecentralizedOptimizer(params, exchange, inner="sgd", lr=..., ...)``.
+
+    params: ``model.parameters()``, ``model.named_parameters()`` (names show in layout errors) or
+    torch-style groups (per-group lr, momentum, betas, weight_decay; LR schedulers work).
+    exchange: this worker's ``Exchange`` (``LocalGroup(...).worker(rank)``, or the daemon's).
+    inner: "sgd", "adam" (DAdam), "adamw", "accumadam", "accumadamw", or a torch optimizer built
+    over the same parameters (then its own hyper-parameters apply and the keywords are unused).
+    ``iteration`` is the exchange iteration k, ``local_steps`` the number of applied updates,
+    ``stats`` the counters (late publishes, NaN/Inf refused, dropped neighbour buffers, skips).
+    """
+
     def __init__(self, params: Iterable[Any] | None, exchange: Exchange,
                  inner: str | torch.optim.Optimizer = "sgd", *, lr: float = 1e-3,
                  momentum: float = 0.0, nesterov: bool = False,
