@@ -9,7 +9,7 @@ import torch
 from peerd.train.exchange import LocalGroup
 from peerd.train.optim import DecentralizedOptimizer
 from peerd.train.tasks import (CharLM, Digits, Svm, average_model, consensus_distance, evaluate_average,
-                               get_task, train_local)
+                               get_task, run_worker, train_local)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,3 +142,29 @@ def test_consensus_distance_definition():
     a, b = torch.zeros(4), torch.tensor([2.0, 0, 0, 0])
     assert consensus_distance([a, b]) == pytest.approx(1.0)        # each is 1 from the mean
     assert consensus_distance([a, a, a]) == 0.0
+
+
+def test_threaded_workers_compute_exactly_what_phased_stepping_does():
+    task = get_task("svm")
+    a = train_local(task, world=4, iterations=30, topology="ring", seed=2)
+    b = train_local(task, world=4, iterations=30, topology="ring", seed=2, threads=True)
+    for ma, mb in zip(a.models, b.models):
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert a.final == b.final
+
+
+def test_run_worker_counts_skipped_iterations_as_done():
+    task = get_task("svm")
+    group = LocalGroup(2, "complete")
+    group.schedule_skip(at=3, to=8)
+    seen: list[list[int]] = [[], []]
+    models = [task.build(0), task.build(0)]
+    import threading
+    ts = [threading.Thread(target=run_worker, args=(task, group.worker(r), r, 2, 12),
+                           kwargs=dict(model=models[r], on_step=lambda k, loss, r=r: seen[r].append(k)))
+          for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert seen[0] == seen[1] == [1, 2, 3, 8, 9, 10, 11, 12]

@@ -27,10 +27,9 @@ contiguous piece of the text per worker.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -331,36 +330,92 @@ class LocalRun:
     history: list[dict[str, float]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
     stats: list[dict[str, int]] = field(default_factory=list)
+    models: list[nn.Module] = field(default_factory=list)
+
+
+def _split(task: Any, overrides: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
+    hp = {**task.defaults, **overrides}
+    batch_size = hp.pop("batch_size")
+    return hp.pop("inner"), batch_size, hp
+
+
+def run_worker(task: Any, exchange: Any, rank: int, world: int, iterations: int, *,
+               non_iid: bool = False, seed: int = 0, model: nn.Module | None = None,
+               on_step: Callable[[int, float], None] | None = None,
+               **opt_overrides: Any) -> tuple[nn.Module, Any]:
+    """One worker of a built-in task: the loop a trainer process runs over its exchange.
+
+    Trains until the exchange iteration reaches start + ``iterations`` (iterations skipped by the
+    exchange count as done). ``on_step(iteration, loss)`` after each step (costs a device sync).
+    ``build`` seeds torch's global RNG: when workers share a process, build the models first and
+    pass them as ``model``. Returns the model and its DecentralizedOptimizer.
+    """
+    from peerd.train.optim import DecentralizedOptimizer
+    inner, batch_size, hp = _split(task, opt_overrides)
+    model = task.build(seed) if model is None else model
+    opt = DecentralizedOptimizer(model.parameters(), exchange, inner, **hp)
+    batches = task.batches(task.shard(rank, world, non_iid, seed), batch_size, seed)
+    end = opt.iteration + iterations
+    while opt.iteration < end:
+        opt.zero_grad()                           # publishes x_k
+        loss = task.loss(model, next(batches))
+        loss.backward()
+        opt.step()
+        if on_step is not None:
+            on_step(opt.iteration, loss.item())
+    return model, opt
 
 
 def train_local(task: Any, world: int = 4, iterations: int = 200, topology: Any = "ring",
-                non_iid: bool = False, seed: int = 0, eval_every: int = 0,
+                non_iid: bool = False, seed: int = 0, eval_every: int = 0, threads: bool = False,
                 **opt_overrides: Any) -> LocalRun:
-    """Train ``world`` workers of a task in this thread over a LocalGroup (phased stepping).
+    """Train ``world`` workers of a task in this process over a LocalGroup.
 
-    Every worker starts from the same model (``build(seed)``), trains on its own shard, and the
-    averaged model is evaluated every ``eval_every`` iterations (0: only at the end).
+    Every worker starts from the same model (``build(seed)``) and trains on its own shard. By
+    default one thread steps all workers in phases (all publish, all compute, all mix) and the
+    averaged model is evaluated every ``eval_every`` iterations (0: only at the end); with
+    ``threads=True`` each worker runs ``run_worker`` in its own thread (evaluated at the end).
+    The result is the same either way: the group is synchronous.
     """
     from peerd.train.exchange import LocalGroup
     from peerd.train.optim import DecentralizedOptimizer
-    hp = {**task.defaults, **opt_overrides}
-    batch_size = hp.pop("batch_size")
-    inner = hp.pop("inner")
     group = LocalGroup(world, topology)
     models = [task.build(seed) for _ in range(world)]
-    opts = [DecentralizedOptimizer(m.parameters(), group.worker(r), inner, **hp)
-            for r, m in enumerate(models)]
-    its = [task.batches(task.shard(r, world, non_iid, seed), batch_size, seed) for r in range(world)]
     run = LocalRun()
-    for k in range(1, iterations + 1):
-        for opt in opts:
-            opt.zero_grad()                       # publishes x_k
-        for m, it in zip(models, its):
-            task.loss(m, next(it)).backward()
-        for opt in opts:
-            opt.step()
-        if eval_every and k % eval_every == 0:
-            run.history.append({"iteration": k, **evaluate_average(task, models)})
+    if threads:
+        import threading
+        opts: list[Any] = [None] * world
+        errors: list[BaseException] = []
+
+        def work(r: int) -> None:
+            try:
+                opts[r] = run_worker(task, group.worker(r), r, world, iterations, non_iid=non_iid,
+                                     seed=seed, model=models[r], **opt_overrides)[1]
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(r,), name=f"worker-{r}") for r in range(world)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()       # bounded: every mix waits at most group.timeout
+        if errors:
+            raise errors[0]
+    else:
+        inner, batch_size, hp = _split(task, opt_overrides)
+        opts = [DecentralizedOptimizer(m.parameters(), group.worker(r), inner, **hp)
+                for r, m in enumerate(models)]
+        its = [task.batches(task.shard(r, world, non_iid, seed), batch_size, seed) for r in range(world)]
+        for k in range(1, iterations + 1):
+            for opt in opts:
+                opt.zero_grad()                       # publishes x_k
+            for m, it in zip(models, its):
+                task.loss(m, next(it)).backward()
+            for opt in opts:
+                opt.step()
+            if eval_every and k % eval_every == 0:
+                run.history.append({"iteration": k, **evaluate_average(task, models)})
     run.final = {"iteration": iterations, **evaluate_average(task, models)}
     run.stats = [dict(o.stats) for o in opts]
+    run.models = models
     return run
