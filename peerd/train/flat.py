@@ -223,6 +223,9 @@ class FlatParams:
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Typed 1-D views of ``buf`` (same layout as ours), one per segment."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.layout.total_bytes:
+            raise ValueError(f"expected a 1-D uint8 buffer of {self.layout.total_bytes} bytes, got "
+                             f"{buf.dtype} of shape {list(buf.shape)}")
         return [_view(buf, s.offset, s.numel, s.dtype) for s in self.segments]
 
     def grads_in_place(self) -> bool:
