@@ -370,3 +370,11 @@ def test_a_non_finite_mix_result_is_never_applied():
             o.step()
     assert opt.stats["nonfinite_mix"] == 3
     assert _max_diff(ours, ref) < 1e-6      # the local steps went on from x_k
+
+
+def test_named_parameters_name_the_layout():
+    m = _net()
+    opt = DecentralizedOptimizer(m.named_parameters(), LocalGroup(1).worker(0), "sgd")
+    assert [e.name for e in opt.layout.entries] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    plain = DecentralizedOptimizer(_net().parameters(), LocalGroup(1).worker(0), "sgd")
+    assert [e.name for e in plain.layout.entries] == ["param0", "param1", "param2", "param3"]
