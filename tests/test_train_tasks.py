@@ -160,7 +160,7 @@ def test_run_worker_counts_skipped_iterations_as_done():
     seen: list[list[int]] = [[], []]
     models = [task.build(0), task.build(0)]
     import threading
-    ts = [threading.Thread(target=run_worker, args=(task, group.worker(r), r, 2, 12),
+    ts = [threading.Thread(target=run_worker, args=(task, group.worker(r), 12),
                            kwargs=dict(model=models[r], on_step=lambda k, loss, r=r: seen[r].append(k)))
           for r in range(2)]
     for t in ts:

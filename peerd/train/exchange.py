@@ -14,6 +14,8 @@ Contract (every implementation):
   returned ``params`` buffer is valid until this worker's next ``publish`` or ``mix``. ``params``
   is None when there was nothing to mix (the trainer keeps its own x_k). ``skip_to``: after
   applying this iteration, continue at that iteration instead of k+1 (Hop's skipping).
+- ``rank`` and ``world`` attributes: this worker's place in the run (valid after attach), which
+  picks its data shard.
 - A buffer holding NaN or Inf is never mixed: it is dropped, the remaining weights renormalised,
   and the drop counted in ``MixResult.dropped``.
 
@@ -23,7 +25,8 @@ stepping in one thread): synchronous neighbour averaging, D-PSGD's rule, with fi
 The daemon-backed implementation (control.proto) maps one to one:
 - attach: ``Attach(layout=[LayoutEntry(name, dtype, shape) for layout.specs()],
   total_bytes=layout.total_bytes)``; the daemon rebuilds ``Layout.build(specs)`` and refuses with
-  ``its_layout.diff(sent)``; the reply's ``start_iteration`` is returned.
+  ``its_layout.diff(sent)``; the reply's ``start_iteration`` is returned, its ``rank`` and
+  ``world`` become the attributes.
 - publish: copy ``buf`` into the next of the double-buffered shared-memory slots (the one memcpy;
   from a GPU, a device-to-host copy), then ``Publish(k, slot, seq)`` without waiting for the reply
   longer than needed to know it was accepted.
@@ -54,6 +57,9 @@ class MixResult:
 
 
 class Exchange(Protocol):
+    rank: int
+    world: int
+
     def attach(self, layout: Layout) -> int: ...
     def publish(self, iteration: int, buf: torch.Tensor) -> None: ...
     def mix(self, iteration: int) -> MixResult: ...
@@ -201,6 +207,7 @@ class LocalExchange:
 
     def __init__(self, group: LocalGroup, rank: int):
         self.group, self.rank = group, rank
+        self.world = group.world
 
     def attach(self, layout: Layout) -> int:
         return self.group._attach(self.rank, layout)

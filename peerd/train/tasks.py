@@ -339,14 +339,16 @@ def _split(task: Any, overrides: dict[str, Any]) -> tuple[str, int, dict[str, An
     return hp.pop("inner"), batch_size, hp
 
 
-def run_worker(task: Any, exchange: Any, rank: int, world: int, iterations: int, *,
-               non_iid: bool = False, seed: int = 0, model: nn.Module | None = None,
+def run_worker(task: Any, exchange: Any, iterations: int, *, rank: int | None = None,
+               world: int | None = None, non_iid: bool = False, seed: int = 0,
+               model: nn.Module | None = None,
                on_step: Callable[[int, float], None] | None = None,
                **opt_overrides: Any) -> tuple[nn.Module, Any]:
     """One worker of a built-in task: the loop a trainer process runs over its exchange.
 
-    Trains until the exchange iteration reaches start + ``iterations`` (iterations skipped by the
-    exchange count as done). ``on_step(iteration, loss)`` after each step (costs a device sync).
+    ``rank``/``world`` pick the shard; by default they are read from the exchange after attach
+    (``exchange.rank``, ``exchange.world``: the daemon assigns them). Trains until the exchange
+    iteration reaches start + ``iterations`` (iterations skipped by the exchange count as done). ``on_step(iteration, loss)`` after each step (costs a device sync).
     ``build`` seeds torch's global RNG: when workers share a process, build the models first and
     pass them as ``model``. Returns the model and its DecentralizedOptimizer.
     """
@@ -354,6 +356,8 @@ def run_worker(task: Any, exchange: Any, rank: int, world: int, iterations: int,
     inner, batch_size, hp = _split(task, opt_overrides)
     model = task.build(seed) if model is None else model
     opt = DecentralizedOptimizer(model.parameters(), exchange, inner, **hp)
+    rank = exchange.rank if rank is None else rank
+    world = exchange.world if world is None else world
     batches = task.batches(task.shard(rank, world, non_iid, seed), batch_size, seed)
     end = opt.iteration + iterations
     while opt.iteration < end:
@@ -389,8 +393,8 @@ def train_local(task: Any, world: int = 4, iterations: int = 200, topology: Any 
 
         def work(r: int) -> None:
             try:
-                opts[r] = run_worker(task, group.worker(r), r, world, iterations, non_iid=non_iid,
-                                     seed=seed, model=models[r], **opt_overrides)[1]
+                opts[r] = run_worker(task, group.worker(r), iterations, non_iid=non_iid, seed=seed,
+                                     model=models[r], **opt_overrides)[1]
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 errors.append(e)
 
