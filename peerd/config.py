@@ -118,6 +118,10 @@ class Config:
     netmax_resolve_frac: float = _f(0.2, "NetMax: relative change of a link estimate that triggers a re-solve")
     netmax_consensus: float = _f(0.3, "NetMax: weight of the consensus term in the time-to-converge model")
 
+    # --- trainer side (peerd.train) -------------------------------------------------------------
+    train_mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
+                                        "iteration before giving up with an error")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser()
