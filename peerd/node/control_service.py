@@ -24,7 +24,7 @@ class ControlService:
         return self.d.links_message()
 
     def _run(self, session: str = ""):
-        run = self.d.run
+        run = self.d.training
         if run is None or (session and session != run.session):
             return None
         return run

@@ -67,7 +67,7 @@ class Daemon:
         self._events = None
         self._logged_refusals: dict[str, float] = {}
         self.dataplane: DataPlane | None = None
-        self.run = None                        # the TrainingRun of `peerd train`, when one is active
+        self.training = None                        # the TrainingRun of `peerd train`, when one is active
         self._early: list[Received] = []       # peers' updates that arrived before our run started
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -142,8 +142,8 @@ class Daemon:
     async def shutdown(self) -> None:
         """Tell peers we leave, stop serving, close sockets, remove the control socket."""
         cfg = self.cfg
-        if self.run is not None:
-            await self.run.stop()
+        if self.training is not None:
+            await self.training.stop()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -219,11 +219,11 @@ class Daemon:
         level = logging.WARNING if tr.new in (State.DEAD,) else logging.INFO
         log.log(level, "peer %s%s: %s -> %s%s", tr.node_id, where, old, new, f" ({how})" if how else "")
         self._event("peer", peer=tr.node_id, old=old, new=new, how=how)
-        if self.run is not None:
+        if self.training is not None:
             if tr.new in (State.DEAD, State.LEFT, None):
-                self.run.peer_down(tr.node_id)
+                self.training.peer_down(tr.node_id)
             elif tr.new is State.ALIVE and tr.old in (State.DEAD, State.LEFT):
-                self.run.peer_up(tr.node_id)
+                self.training.peer_up(tr.node_id)
 
     def hello_message(self) -> pb.Hello:
         return pb.Hello(node_id=self.node_id, protocol_version=PROTOCOL_VERSION, run_id=self.cfg.run_id,
@@ -368,8 +368,8 @@ class Daemon:
     # --- data plane ---------------------------------------------------------------------------
     def _on_received(self, rec: Received) -> None:
         if rec.kind in ("model", "carry"):
-            if self.run is not None:
-                self.run.on_received(rec)
+            if self.training is not None:
+                self.training.on_received(rec)
                 return
             if len(self._early) < self.cfg.train_early_updates:
                 self._early.append(rec)  # the peer's run started before ours; replayed at start
@@ -377,8 +377,8 @@ class Daemon:
         rec.release()
 
     def _pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
-        if kind == "model" and self.run is not None:
-            return self.run.serve_pull(requester)
+        if kind == "model" and self.training is not None:
+            return self.training.serve_pull(requester)
         return None
 
     async def push_tensor(self, address: str, node: str, data: Outgoing, *, iteration: int, kind: str):
@@ -398,18 +398,18 @@ class Daemon:
                    metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
 
     def on_tokens(self, sender: str, n: int) -> None:
-        if self.run is not None:
-            self.run.on_tokens(sender, n)
+        if self.training is not None:
+            self.training.on_tokens(sender, n)
 
     def start_run(self, run) -> None:
-        self.run = run
+        self.training = run
         early, self._early = self._early, []
         for rec in early:
             run.on_received(rec)
 
     def end_run(self, run) -> None:
-        if self.run is run:
-            self.run = None
+        if self.training is run:
+            self.training = None
 
     # --- observability ------------------------------------------------------------------------
     def status_message(self) -> cpb.StatusReply:

@@ -556,7 +556,7 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         spec = RunSpec.from_request(request, daemon.cfg.train_join_timeout)
     except RunError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
-    if daemon.run is not None:
+    if daemon.training is not None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "peerd: a training run is already active on this daemon")
     started = time.monotonic()

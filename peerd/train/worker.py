@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(ckpt["model"])
     opt = DecentralizedOptimizer(model.parameters(), exchange, inner, **defaults)
     if ckpt is not None:
+        start = opt.iteration  # where the daemon's run is now: never go back before it
         opt.load_state_dict(ckpt["optimizer"])
-        log.info("resumed from checkpoint at iteration %d", ckpt["iteration"])
+        opt.iteration = max(opt.iteration, start)
+        log.info("resumed from the checkpoint of iteration %d, continuing at %d", ckpt["iteration"], opt.iteration)
     rank, world = exchange.rank, exchange.world
     batches = task.batches(task.shard(rank, world, args.non_iid, args.seed), batch_size, args.seed)
     end = args.iterations
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
             last_eval = opt.iteration
             extra = {("accuracy" if k == "accuracy" else f"eval_{k}"): v for k, v in task.evaluate(model).items()}
-        exchange.report(opt.iteration, float(loss), step_time_s=time.perf_counter() - t0, **extra)
+        exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
         if args.checkpoint_every and opt.iteration % args.checkpoint_every == 0 or opt.iteration >= end:
             save_checkpoint(ckpt_dir, opt.iteration, model, opt)
     exchange.close()
