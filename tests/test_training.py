@@ -1,0 +1,91 @@
+"""Training end to end on loopback: daemons, the control API, the policy, the data plane, the trainer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from peerd.node.localswarm import peerd_cmd
+from peerd.train.tasks import consensus_distance, get_task
+from tests.daemons import peer_states, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def swarm(daemons, n: int, prefix: str):
+    ds = [daemons(f"{prefix}0")]
+    for i in range(1, n):
+        ds.append(daemons(f"{prefix}{i}", seeds=[ds[0].address]))
+    ids = {d.node_id for d in ds}
+    wait_for(lambda: all(set(peer_states(d)) == ids - {d.node_id} and
+                         set(peer_states(d).values()) == {"alive"} for d in ds), 20, "a full swarm")
+    return ds
+
+
+def start_train(d, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(procs, timeout=240) -> list[list[dict]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        assert p.returncode == 0, f"peerd train exited {p.returncode}: {stderr}\n{records[-3:]}"
+        out.append(records)
+    return out
+
+
+def final_models(ds, task_name: str):
+    task = get_task(task_name)
+    models = []
+    for d in ds:
+        [ckpt] = list((d.data_dir / "checkpoints").glob("*/latest.pt"))
+        m = task.build(0)
+        m.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+        models.append(m)
+    return task, models
+
+
+@pytest.mark.parametrize("algo", ["hop", "d-psgd"])
+def test_three_hosts_train_digits_to_accuracy_and_agree(daemons, algo):
+    ds = swarm(daemons, 3, f"{algo[:3]}")
+    procs = [start_train(d, "--task", "digits", "--world", "3", "--iterations", "120", "--algo", algo,
+                         "--eval-every", "60") for d in ds]
+    runs = finish(procs)
+    for records in runs:
+        last = records[-1]
+        assert last["state"] == "done"
+        assert last["metric_name"] == "accuracy" and last["metric"] >= 0.9, last
+        assert max(r["peers_in_last_mix"] for r in records) == 2   # ring of 3: both neighbours
+    task, models = final_models(ds, "digits")
+    from peerd.train.flat import flatten_module
+    flats = [flatten_module(m) for m in models]
+    distance = consensus_distance([f.buffer for f in flats], flats[0].layout)
+    assert distance < 0.5, distance
+    from peerd.train.tasks import evaluate_average
+    assert evaluate_average(task, models)["accuracy"] >= 0.9
+
+
+def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
+    ds = swarm(daemons, 2, "k")
+    procs = [start_train(d, "--task", "svm", "--world", "2", "--iterations", "400", "--algo", "hop-backup",
+                         "--eval-every", "100") for d in ds]
+    victim = ds[1]
+    trainer_pid = wait_for(lambda: next((int(p) for p in subprocess.run(
+        ["pgrep", "-f", "peerd.train.worker"], capture_output=True, text=True).stdout.split()
+        if (victim.data_dir / "checkpoints").exists() and
+        str(victim.proc.pid) == open(f"/proc/{p}/stat").read().split()[3]), None), 60, "the trainer to start")
+    wait_for(lambda: list((victim.data_dir / "checkpoints").glob("*/latest.pt")), 60, "a checkpoint")
+    os.kill(trainer_pid, signal.SIGKILL)
+    runs = finish(procs)
+    assert any(r["restarts"] == 1 for r in runs[1])
+    assert "restarting" in {r["state"] for r in runs[1]}
+    for records in runs:
+        assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
