@@ -118,5 +118,6 @@ def sim(scen, workers, algos, topology, weighting, params, iterations, compute, 
         return
     click.echo(_table(records))
     for c in checks:
-        click.echo(f"{'holds ' if c['holds'] else 'FAILS '} {c['claim']}: ratio {_fmt(c['ratio'], '.2f')}")
+        status = "holds" if c["holds"] else ("n/a" if c["ratio"] is None else "FAILS")
+        click.echo(f"{status:6s} {c['claim']}: ratio {_fmt(c['ratio'], '.2f')}")
     sys.stdout.flush()
