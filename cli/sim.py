@@ -39,14 +39,16 @@ def _fmt(x: object, spec: str) -> str:
 
 def _table(records: list[dict]) -> str:
     head = f"{'algorithm':20s} {'time_to_target':>14s} {'iters@target':>12s} {'MB@target':>10s} " \
-           f"{'final_loss':>10s} {'idle':>6s} {'consensus':>9s} {'wall_s':>7s}"
+           f"{'final_loss':>10s} {'idle':>6s} {'consensus':>9s} {'sim_time':>9s} {'iters':>7s} " \
+           f"{'MB_sent':>10s} {'wall_s':>7s}"
     rows = [head, "-" * len(head)]
     for r in records:
         mb = None if r["bytes_at_target"] is None else r["bytes_at_target"] / 1e6
         rows.append(f"{r['algorithm']:20s} {_fmt(r['time_to_target'], '14.3f')} "
                     f"{_fmt(r['iterations_at_target'], '12.1f')} {_fmt(mb, '10.2f')} "
                     f"{_fmt(r['final_loss'], '10.2e')} {r['mean_idle_fraction']:6.2f} "
-                    f"{_fmt(r['consensus_distance'], '9.3f')} {r['wall_s']:7.2f}")
+                    f"{_fmt(r['consensus_distance'], '9.3f')} {r['sim_time']:9.2f} "
+                    f"{r['mean_iterations']:7.1f} {r['bytes_sent'] / 1e6:10.2f} {r['wall_s']:7.2f}")
     return "\n".join(rows)
 
 
