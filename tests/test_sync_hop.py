@@ -1,7 +1,6 @@
 """Hop's invariants, property-based over random graphs, delays and modes, driven by the simulator."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
