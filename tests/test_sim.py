@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from cli.sim import sim as sim_cmd
 from peerd.sim.engine import SimSpec, Simulator
-from peerd.sim.scenarios import run, scenario
+from peerd.sim.scenarios import claims, run, scenario
 from peerd.sync import registry, topology as T
 from tests.sync_helpers import random_graph, random_spec
 
@@ -38,7 +38,7 @@ def test_averaging_preserves_the_mean(algo, topo):
     assert np.linalg.norm(sim.X - sim.X.mean(0)) < np.linalg.norm(x0 - x0.mean(0))  # it did mix
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(4, 8), at=st.floats(0.0, 2.0),
        algo=st.sampled_from(["netmax", "netmax-uniform", "ad-psgd", "d-psgd", "aau", "hop-staleness-skip"]))
 def test_async_and_sync_baselines_survive_a_crash(seed, n, at, algo):
@@ -59,8 +59,10 @@ def test_timing_only_runs_many_workers_without_parameters():
 
 def _json_records(out: str) -> tuple[dict, dict]:
     recs = [json.loads(line) for line in out.strip().splitlines()]
-    return ({r["algorithm"]: r for r in recs if "algorithm" in r},
-            {r["claim"]: r for r in recs if "claim" in r})
+    assert all(set(r) >= {"algorithm", "time_to_target", "iterations_at_target", "bytes_at_target"}
+               for r in recs)
+    scen = recs[0]["scenario"]
+    return {r["algorithm"]: r for r in recs}, {c["claim"]: c for c in claims(scen, recs)}
 
 
 def test_straggler_claim_hop_skipping_beats_dpsgd():
@@ -82,7 +84,7 @@ def test_two_sites_claim_netmax_beats_adpsgd():
     assert res.exit_code == 0, res.output
     recs, claims = _json_records(res.output)
     assert recs["netmax"]["time_to_target"] <= 0.6 * recs["ad-psgd"]["time_to_target"]
-    assert all(c["holds"] for c in claims.values())
+    assert all(c["holds"] for c in claims.values()) and len(claims) == 2
 
 
 def test_table_and_free_form_flags():
@@ -95,3 +97,11 @@ def test_table_and_free_form_flags():
     assert [ln.split()[0] for ln in lines[2:]] == ["d-psgd", "hop-backup-skip"]
     bad = CliRunner().invoke(sim_cmd, ["--straggler", "zero"])
     assert bad.exit_code != 0 and "WORKER:FACTOR" in bad.output
+
+
+def test_scenario_table_prints_claims():
+    res = CliRunner().invoke(sim_cmd, ["--scenario", "straggler", "-a", "d-psgd", "-a", "hop-backup-skip"])
+    assert res.exit_code == 0, res.output
+    assert "holds  hop-backup-skip time to target <= 0.6 x d-psgd" in res.output
+    # hop-staleness-skip was not run: its claim cannot be judged
+    assert "n/a    hop-staleness-skip" in res.output

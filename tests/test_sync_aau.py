@@ -29,7 +29,7 @@ def run_aau(seed, n, crash=None, estimates="arrival", iterations=20):
     return sim, sim.run(), waited, topo
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(2, 9), measured=st.booleans())
 def test_waited_edges_strongly_connected_every_iteration(seed, n, measured):
     sim, res, waited, topo = run_aau(seed, n, estimates="arrival" if measured else "none")
@@ -41,7 +41,7 @@ def test_waited_edges_strongly_connected_every_iteration(seed, n, measured):
         assert strongly_connected(list(range(n)), edges), (k, per)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(3, 8), at=st.floats(0.0, 2.0))
 def test_crash_keeps_live_workers_going_and_connected(seed, n, at):
     victim = seed % n

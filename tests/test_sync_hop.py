@@ -1,7 +1,6 @@
 """Hop's invariants, property-based over random graphs, delays and modes, driven by the simulator."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ def hop_policies(topo, max_ig, mode):
     return [Hop(i, topo, max_ig=max_ig, max_skip=3, **mode) for i in range(topo.n)]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(3, 8), max_ig=st.integers(1, 4),
        mode=st.sampled_from(MODES))
 def test_gap_never_exceeds_max_ig_and_queues_are_bounded(seed, n, max_ig, mode):
@@ -44,7 +43,7 @@ def test_gap_never_exceeds_max_ig_and_queues_are_bounded(seed, n, max_ig, mode):
     assert min(res.iterations) >= spec.iterations  # and nobody got stuck
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(3, 7), mode=st.sampled_from(MODES),
        crash_at=st.floats(0.0, 3.0), max_ig=st.integers(1, 4))
 def test_no_deadlock_with_one_crashed_worker(seed, n, mode, crash_at, max_ig):
@@ -57,7 +56,7 @@ def test_no_deadlock_with_one_crashed_worker(seed, n, mode, crash_at, max_ig):
     assert all(res.iterations[i] >= spec.iterations for i in live), res.iterations
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(2, 8), mh=st.booleans())
 def test_standard_mode_in_order_equals_dpsgd_exactly(seed, n, mh):
     topo = random_graph(seed, n)

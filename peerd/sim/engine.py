@@ -153,7 +153,6 @@ class Simulator:
         self.bytes = 0
         self.events = 0
         self.last_progress = 0.0
-        self.nxt = [0] * n
         self.own: list[tuple[int, Any]] = [(-1, None)] * n
         self.recv: list[dict[tuple[int, int], Any]] = [dict() for _ in range(n)]
         self.history: list[tuple[float, float, float | None]] = []
@@ -197,10 +196,12 @@ class Simulator:
             self.k[i] = k
             if self.on_publish:
                 self.on_publish(self, i, k)
+            self.last_progress = self.now
             self.own[i] = (k, self.X[i].copy() if self.X is not None else None)
-            # A finished worker keeps serving pulls with its final parameters but starts nothing.
+            # A finished worker keeps serving pulls with its final parameters and pushes them (a
+            # neighbour it skipped past may need a newer tag), but starts no exchange.
             acts = self.pol[i].on_event(Published(k), self.now)
-            self._act(i, [a for a in acts if type(a) not in (Send, Pull)], publish_ok=False)
+            self._act(i, [a for a in acts if type(a) is not Pull], publish_ok=False)
             return
         self.k[i] = k
         self.last_progress = self.now
