@@ -165,7 +165,7 @@ class TrainingRun:
         self._pool: list[torch.Tensor] = []
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
-        self.checkpoint_dir = daemon.data.path / "checkpoints" / f"{daemon.cfg.run_id}-rank{self.rank}"
+        self.checkpoint_dir = daemon.data.path / "checkpoints" / f"{daemon.cfg.run_id}-{self.session}"
 
     # --- events into the policy -----------------------------------------------------------------
     def feed(self, event: ev.Event) -> None:
