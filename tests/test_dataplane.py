@@ -408,5 +408,7 @@ def test_sender_that_vanishes_mid_stream_frees_everything():
                 await asyncio.sleep(0.02)
                 if not b.dp.budget.used_total:
                     break
-            assert b.dp.budget.used_total == 0 and b.dp.rejected["cancelled"] == 1 and b.inbox.empty()
+            # gRPC ends the handler by cancelling it or by ending its request stream (truncated)
+            assert b.dp.budget.used_total == 0 and b.inbox.empty(), dict(b.dp.rejected)
+            assert b.dp.rejected["cancelled"] + b.dp.rejected["truncated"] == 1, dict(b.dp.rejected)
     run(main())

@@ -311,6 +311,16 @@ class DataPlane:
             out = tw.crc32_combine(out, c, len(p))
         return out
 
+    async def seal(self, data: Outgoing) -> int:
+        """Checksum `data` now (e.g. at publish, before the policy picks peers), so no push pays it.
+
+        Concurrent first pushes of one snapshot share one computation."""
+        if data.checksum is None:
+            if data._pending is None:
+                data._pending = asyncio.ensure_future(self.checksum(data.pieces))
+            data.checksum = await asyncio.shield(data._pending)
+        return data.checksum
+
     # -- configuration ---------------------------------------------------------------------------
     def set_layout(self, kind: str, layout: tw.Layout | None) -> None:
         """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any)."""
@@ -625,12 +635,7 @@ class DataPlane:
             checksum = None  # a known checksum is of the uncompressed bytes
         algo = self.cfg.dataplane_checksum
         if algo == "crc32" and checksum is None:
-            if compressed:
-                checksum = await self.checksum(pieces)
-            else:  # concurrent first pushes of one snapshot share one computation
-                if data._pending is None:
-                    data._pending = asyncio.ensure_future(self.checksum(pieces))
-                checksum = data.checksum = await asyncio.shield(data._pending)
+            checksum = await (self.checksum(pieces) if compressed else self.seal(data))
         return _Prepared(self, data, data.layout, comp, pieces, wire.nbytes, algo,
                          checksum or 0, next(self._ids), cast_error, scratch)
 
