@@ -363,16 +363,11 @@ class DataPlane:
             if not peer:
                 raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call",
                                     grpc.StatusCode.UNAUTHENTICATED)
-            if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
-                raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} "
-                                    "transfers from this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
-            self._server_active[peer] += 1
+            self._take_slot(peer)
             try:
                 rec = await self._receive(aiter(request_iterator), peer, expect_sender=peer)
             finally:
-                self._server_active[peer] -= 1
-                if self._server_active[peer] <= 0:
-                    del self._server_active[peer]
+                self._free_slot(peer)
             await self._deliver(rec)
         except asyncio.CancelledError:
             self.rejected["cancelled"] += 1
@@ -384,6 +379,18 @@ class DataPlane:
         self.counters["pushes_received"] += 1
         return pb.TransferReply(transfer_id=rec.transfer_id, received_bytes=rec.wire_bytes,
                                 seconds=rec.seconds).SerializeToString()
+
+    def _take_slot(self, peer: str) -> None:
+        """Count a push or pull served to `peer`; refuse beyond dataplane_max_rpcs_per_peer."""
+        if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
+            raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} transfers "
+                                "with this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self._server_active[peer] += 1
+
+    def _free_slot(self, peer: str) -> None:
+        self._server_active[peer] -= 1
+        if self._server_active[peer] <= 0:
+            del self._server_active[peer]
 
     async def _deliver(self, rec: Received) -> None:
         sink = self.on_received
@@ -510,6 +517,7 @@ class DataPlane:
             if snap is None:
                 raise TransferError("not_found", f"no {kind!r} parameters at or after iteration "
                                     f"{req.min_iteration}", grpc.StatusCode.NOT_FOUND)
+            self._take_slot(peer)
         except TransferError as e:
             self._refuse(e, peer, "pull")
             await context.abort(e.code, f"{e.reason}: {e.details}")
@@ -530,6 +538,7 @@ class DataPlane:
             self._refuse(TransferError("stalled", f"puller read nothing for {stall}s"), peer, "pull")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled: reader too slow")
         finally:
+            self._free_slot(peer)
             if snap.done is not None:
                 snap.done()
         self.counters["pulls_served"] += 1
