@@ -59,7 +59,9 @@ SERVICE = "peerd.v1.Peer"
 PUSH_METHOD = f"/{SERVICE}/PushTensor"
 PULL_METHOD = f"/{SERVICE}/PullTensor"
 AUTH_KEY = "x-peerd-node"      # set by the daemon's auth interceptor to the verified node id
-KINDS = frozenset({"model", "probe", "state"})
+# transfer kinds accepted by default ("carry": a pushed answer to a pull, used by the daemon);
+# set_layout() and accept_kind() add more per DataPlane
+KINDS = frozenset({"model", "probe", "state", "carry"})
 CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
 CHECKSUMS = frozenset({"crc32", "none"})
 
@@ -286,6 +288,7 @@ class DataPlane:
         self.on_received = on_received
         self.source = source
         self.layouts: dict[str, tw.Layout] = {}
+        self.kinds: set[str] = set(KINDS)
         self.pool = BufferPool(config.dataplane_pool_bytes)
         self._budget: Budget | None = None
         self._client_sems: dict[str, asyncio.Semaphore] = {}
@@ -327,7 +330,14 @@ class DataPlane:
         if layout is None:
             self.layouts.pop(kind, None)
         else:
+            self.accept_kind(kind)
             self.layouts[kind] = layout
+
+    def accept_kind(self, kind: str) -> None:
+        """Accept pushes and pulls of `kind` (a short label) besides the default KINDS."""
+        if not kind or len(kind) > 32:
+            raise ValueError(f"kind {kind!r}: want 1-32 characters")
+        self.kinds.add(kind)
 
     @property
     def budget(self) -> Budget:
@@ -453,8 +463,8 @@ class DataPlane:
         if h.run_id != self.run_id:
             raise TransferError("run_mismatch", f"header.run_id {h.run_id!r}, this node serves run "
                                 f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
-        if h.kind not in KINDS:
-            raise TransferError("bad_header", f"header.kind {h.kind!r} not one of {sorted(KINDS)}")
+        if h.kind not in self.kinds:
+            raise TransferError("bad_header", f"header.kind {h.kind[:40]!r} not one of {sorted(self.kinds)}")
         if h.compression not in tw.ROUNDING_BOUND:
             raise TransferError("bad_header", f"header.compression {h.compression} unknown")
         if h.checksum_algo not in CHECKSUMS:
@@ -507,7 +517,7 @@ class DataPlane:
                 raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
                                     f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
             kind = req.kind or "model"
-            if kind not in KINDS or req.compression not in tw.ROUNDING_BOUND:
+            if kind not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
                 raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
             snap = None
             if self.source is not None:
