@@ -113,10 +113,11 @@ class Record:
     shaped_bits_per_s: int | None = None
     raw_tcp_pct_of_shaped: float | None = None
     peerd_pct_of_shaped: float | None = None
+    sealed: bool = False          # checksum computed before the timed push (as at publish)
 
 
 def measure(path: str, sender: Peer, receiver: Peer, host: str, size: int, reps: int, warmup: int,
-            shaped: int | None = None, timeout: float = REPLY_TIMEOUT) -> Record:
+            shaped: int | None = None, timeout: float = REPLY_TIMEOUT, seal: bool = False) -> Record:
     """Alternate raw TCP and peerd transfers so both see the same background load."""
     n = reps + warmup
     port = receiver.ask(op="raw_listen", nbytes=size, reps=n)["port"]
@@ -127,7 +128,7 @@ def measure(path: str, sender: Peer, receiver: Peer, host: str, size: int, reps:
     for _ in range(n):
         raw += sender.ask(op="raw_send", to=raw_to, nbytes=size, timeout=timeout)["seconds"]
         ours += sender.ask(op="push", to=receiver.address, peer=receiver.id, nbytes=size, reps=1,
-                           timeout=timeout)["seconds"]
+                           seal=seal, timeout=timeout)["seconds"]
     sender.ask(op="raw_close", to=raw_to)
     peak = receiver.ask(op="mem")["peak"] - base
     raw, ours = raw[warmup:], ours[warmup:]
@@ -135,7 +136,7 @@ def measure(path: str, sender: Peer, receiver: Peer, host: str, size: int, reps:
     ours_bps = size / statistics.median(ours)
     # the ratio is the median over adjacent (raw, peerd) pairs: robust to load that drifts
     ratio = statistics.median(r / o for r, o in zip(raw, ours))
-    rec = Record(path, size, raw_bps, ours_bps, ratio, reps, raw, ours, peak)
+    rec = Record(path, size, raw_bps, ours_bps, ratio, reps, raw, ours, peak, sealed=seal)
     if shaped:
         rec.shaped_bits_per_s = shaped
         rec.raw_tcp_pct_of_shaped = 100 * raw_bps * 8 / shaped
@@ -188,7 +189,8 @@ def shape(ns: str, dev: str, bits_per_s: int) -> None:
 
 
 def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: list[int], lab: bool,
-                  chunk_bytes: int | None, log: Any = None, shaped_reps: int = 1) -> list[Record]:
+                  chunk_bytes: int | None, log: Any = None, shaped_reps: int = 1,
+                  seal: bool = False) -> list[Record]:
     out: list[Record] = []
     say = log or (lambda s: None)
     peers: list[Peer] = []
@@ -199,7 +201,7 @@ def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: l
         peers.append(b)
         for size in sizes:
             say(f"loopback {human(size)} ...")
-            out.append(measure("loopback", a, b, "127.0.0.1", size, reps, warmup=1))
+            out.append(measure("loopback", a, b, "127.0.0.1", size, reps, warmup=1, seal=seal))
     finally:
         for p in peers:
             p.close()
@@ -219,7 +221,7 @@ def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: l
                     say(f"shaped {rate // 10**6} Mbit {human(size)} ...")
                     bound = 120 + 3 * size * 8 / rate
                     out.append(measure(f"shaped-{rate // 10**6}mbit", a, b, ip_b, size, shaped_reps,
-                                       warmup=0, shaped=rate, timeout=bound))
+                                       warmup=0, shaped=rate, timeout=bound, seal=seal))
         finally:
             for p in peers:
                 p.close()
@@ -253,9 +255,11 @@ def bench() -> None:
 @click.option("--shaped-sizes", default="25MB,100MB", show_default=True, help="buffer sizes over shaped links")
 @click.option("--shaped-reps", default=3, show_default=True, help="timed transfers per size over shaped links")
 @click.option("--chunk-bytes", type=int, default=None, help="override dataplane_chunk_bytes")
+@click.option("--seal", is_flag=True,
+              help="checksum each buffer before its timed push, as the daemon does at publish")
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per (path, size)")
 def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes: str, shaped_reps: int,
-              chunk_bytes: int | None, as_json: bool) -> None:
+              chunk_bytes: int | None, seal: bool, as_json: bool) -> None:
     """Raw TCP vs peerd push, on loopback and (as root) over shaped lab links."""
     if lab is None:
         lab = os.geteuid() == 0
@@ -266,7 +270,8 @@ def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes:
     records = run_transport([parse_size(s) for s in sizes.split(",") if s.strip()], reps,
                             [parse_size(s) for s in shaped_sizes.split(",") if s.strip()],
                             [parse_rate(r) for r in rates.split(",") if r.strip()], lab, chunk_bytes,
-                            log=None if as_json else lambda s: click.echo(s, err=True), shaped_reps=shaped_reps)
+                            log=None if as_json else lambda s: click.echo(s, err=True), shaped_reps=shaped_reps,
+                            seal=seal)
     if as_json:
         for r in records:
             click.echo(json.dumps(asdict(r)))

@@ -408,5 +408,22 @@ def test_sender_that_vanishes_mid_stream_frees_everything():
                 await asyncio.sleep(0.02)
                 if not b.dp.budget.used_total:
                     break
-            assert b.dp.budget.used_total == 0 and b.dp.rejected["cancelled"] == 1 and b.inbox.empty()
+            # gRPC ends the handler by cancelling it or by ending its request stream (truncated)
+            assert b.dp.budget.used_total == 0 and b.inbox.empty(), dict(b.dp.rejected)
+            assert b.dp.rejected["cancelled"] + b.dp.rejected["truncated"] == 1, dict(b.dp.rejected)
+    run(main())
+
+
+def test_kinds_carry_by_default_and_registered_ones():
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            await a.push(b, [torch.ones(3)], kind="carry")      # the daemon's pushed answer to a pull
+            with await take(b) as rec:
+                assert rec.kind == "carry"
+            with pytest.raises(TransferError) as e:
+                await a.push(b, [torch.ones(3)], kind="shard")
+            assert e.value.reason == "bad_header" and "shard" in e.value.details
+            b.dp.set_layout("shard", tw.Layout.of([torch.ones(3)]))   # registering a layout accepts it
+            await a.push(b, [torch.ones(3)], kind="shard")
+            (await take(b)).release()
     run(main())

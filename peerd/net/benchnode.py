@@ -5,8 +5,8 @@ asks one to push to the other, or to run the raw-TCP ceiling. It stands in for t
 serves the same `DataPlane` handlers; `spawn()` is the one function to change when benchmarking
 real daemons instead. Commands (one JSON object per line; one JSON reply per line):
 
-  {"op": "push", "to": "HOST:PORT", "peer": ID, "nbytes": N, "reps": R, "compression": "none"}
-      -> {"seconds": [...]}                 sender's time per push, checksum included
+  {"op": "push", "to": "HOST:PORT", "peer": ID, "nbytes": N, "reps": R, "compression": "none",
+   "seal": false} -> {"seconds": [...]}    sender's time per push, checksum included unless sealed
   {"op": "raw_listen", "nbytes": N}          -> {"port": P}; serves R transfers of N bytes
   {"op": "raw_send", "to": "HOST:PORT", "nbytes": N} -> {"seconds": [s]}   one transfer
   {"op": "raw_close", "to": "HOST:PORT"}
@@ -150,6 +150,8 @@ class BenchNode:
             out = []
             for i in range(cmd.get("reps", 1)):
                 data = Outgoing.of([x])  # fresh each time: no checksum is reused
+                if cmd.get("seal"):      # the daemon's way: checksum at publish, outside the push
+                    await self.dp.seal(data)
                 r = await self.dp.push(ch, cmd["peer"], data, metadata=((AUTH_KEY, self.id),),
                                        iteration=i, compression=cmd.get("compression", "none"))
                 out.append(r.seconds)

@@ -59,7 +59,9 @@ SERVICE = "peerd.v1.Peer"
 PUSH_METHOD = f"/{SERVICE}/PushTensor"
 PULL_METHOD = f"/{SERVICE}/PullTensor"
 AUTH_KEY = "x-peerd-node"      # set by the daemon's auth interceptor to the verified node id
-KINDS = frozenset({"model", "probe", "state"})
+# transfer kinds accepted by default ("carry": a pushed answer to a pull, used by the daemon);
+# set_layout() and accept_kind() add more per DataPlane
+KINDS = frozenset({"model", "probe", "state", "carry"})
 CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
 CHECKSUMS = frozenset({"crc32", "none"})
 
@@ -286,6 +288,7 @@ class DataPlane:
         self.on_received = on_received
         self.source = source
         self.layouts: dict[str, tw.Layout] = {}
+        self.kinds: set[str] = set(KINDS)
         self.pool = BufferPool(config.dataplane_pool_bytes)
         self._budget: Budget | None = None
         self._client_sems: dict[str, asyncio.Semaphore] = {}
@@ -311,13 +314,30 @@ class DataPlane:
             out = tw.crc32_combine(out, c, len(p))
         return out
 
+    async def seal(self, data: Outgoing) -> int:
+        """Checksum `data` now (e.g. at publish, before the policy picks peers), so no push pays it.
+
+        Concurrent first pushes of one snapshot share one computation."""
+        if data.checksum is None:
+            if data._pending is None:
+                data._pending = asyncio.ensure_future(self.checksum(data.pieces))
+            data.checksum = await asyncio.shield(data._pending)
+        return data.checksum
+
     # -- configuration ---------------------------------------------------------------------------
     def set_layout(self, kind: str, layout: tw.Layout | None) -> None:
         """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any)."""
         if layout is None:
             self.layouts.pop(kind, None)
         else:
+            self.accept_kind(kind)
             self.layouts[kind] = layout
+
+    def accept_kind(self, kind: str) -> None:
+        """Accept pushes and pulls of `kind` (a short label) besides the default KINDS."""
+        if not kind or len(kind) > 32:
+            raise ValueError(f"kind {kind!r}: want 1-32 characters")
+        self.kinds.add(kind)
 
     @property
     def budget(self) -> Budget:
@@ -353,16 +373,11 @@ class DataPlane:
             if not peer:
                 raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call",
                                     grpc.StatusCode.UNAUTHENTICATED)
-            if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
-                raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} "
-                                    "transfers from this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
-            self._server_active[peer] += 1
+            self._take_slot(peer)
             try:
                 rec = await self._receive(aiter(request_iterator), peer, expect_sender=peer)
             finally:
-                self._server_active[peer] -= 1
-                if self._server_active[peer] <= 0:
-                    del self._server_active[peer]
+                self._free_slot(peer)
             await self._deliver(rec)
         except asyncio.CancelledError:
             self.rejected["cancelled"] += 1
@@ -374,6 +389,18 @@ class DataPlane:
         self.counters["pushes_received"] += 1
         return pb.TransferReply(transfer_id=rec.transfer_id, received_bytes=rec.wire_bytes,
                                 seconds=rec.seconds).SerializeToString()
+
+    def _take_slot(self, peer: str) -> None:
+        """Count a push or pull served to `peer`; refuse beyond dataplane_max_rpcs_per_peer."""
+        if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
+            raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} transfers "
+                                "with this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self._server_active[peer] += 1
+
+    def _free_slot(self, peer: str) -> None:
+        self._server_active[peer] -= 1
+        if self._server_active[peer] <= 0:
+            del self._server_active[peer]
 
     async def _deliver(self, rec: Received) -> None:
         sink = self.on_received
@@ -436,8 +463,8 @@ class DataPlane:
         if h.run_id != self.run_id:
             raise TransferError("run_mismatch", f"header.run_id {h.run_id!r}, this node serves run "
                                 f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
-        if h.kind not in KINDS:
-            raise TransferError("bad_header", f"header.kind {h.kind!r} not one of {sorted(KINDS)}")
+        if h.kind not in self.kinds:
+            raise TransferError("bad_header", f"header.kind {h.kind[:40]!r} not one of {sorted(self.kinds)}")
         if h.compression not in tw.ROUNDING_BOUND:
             raise TransferError("bad_header", f"header.compression {h.compression} unknown")
         if h.checksum_algo not in CHECKSUMS:
@@ -490,7 +517,7 @@ class DataPlane:
                 raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
                                     f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
             kind = req.kind or "model"
-            if kind not in KINDS or req.compression not in tw.ROUNDING_BOUND:
+            if kind not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
                 raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
             snap = None
             if self.source is not None:
@@ -500,6 +527,7 @@ class DataPlane:
             if snap is None:
                 raise TransferError("not_found", f"no {kind!r} parameters at or after iteration "
                                     f"{req.min_iteration}", grpc.StatusCode.NOT_FOUND)
+            self._take_slot(peer)
         except TransferError as e:
             self._refuse(e, peer, "pull")
             await context.abort(e.code, f"{e.reason}: {e.details}")
@@ -520,6 +548,7 @@ class DataPlane:
             self._refuse(TransferError("stalled", f"puller read nothing for {stall}s"), peer, "pull")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled: reader too slow")
         finally:
+            self._free_slot(peer)
             if snap.done is not None:
                 snap.done()
         self.counters["pulls_served"] += 1
@@ -625,12 +654,7 @@ class DataPlane:
             checksum = None  # a known checksum is of the uncompressed bytes
         algo = self.cfg.dataplane_checksum
         if algo == "crc32" and checksum is None:
-            if compressed:
-                checksum = await self.checksum(pieces)
-            else:  # concurrent first pushes of one snapshot share one computation
-                if data._pending is None:
-                    data._pending = asyncio.ensure_future(self.checksum(pieces))
-                checksum = data.checksum = await asyncio.shield(data._pending)
+            checksum = await (self.checksum(pieces) if compressed else self.seal(data))
         return _Prepared(self, data, data.layout, comp, pieces, wire.nbytes, algo,
                          checksum or 0, next(self._ids), cast_error, scratch)
 
