@@ -25,6 +25,9 @@ Design choices:
 - Interfaces are chosen deliberately (`choose_interfaces`) and passed as explicit addresses:
   InterfaceChoice.Default fails on hosts without a default route, and All also binds docker and
   VPN interfaces.
+- All our questions ask for multicast answers (QM). A unicast answer goes to <ip>:5353, and when
+  several responders share that port on one host (avahi-daemon, two daemons, a test harness) the
+  kernel hands it to just one of them: measured here, co-located resolves then time out.
 - Every wait is bounded by a Config timeout; a record that will not resolve costs one bounded task.
 """
 from __future__ import annotations
@@ -191,9 +194,10 @@ def encode_txt(node_id: str, protocol_version: int, run_id: str,
             continue
         text = str(int(value)) if kind == "int" else str(value)
         try:
-            props[key] = _check_value(key, text.encode())
+            _check_value(key, text.encode())
         except Ignored as e:
             raise ValueError(f"capability {cap}={value!r}: {e}") from None
+        props[key] = text
     return props
 
 
@@ -342,7 +346,7 @@ class MdnsDiscovery:
 
     async def start(self) -> None:
         """Bind, browse, then register (bounded by mdns_register_timeout). Raises DiscoveryError."""
-        from zeroconf import IPVersion, NonUniqueNameException
+        from zeroconf import DNSQuestionType, IPVersion, NonUniqueNameException
         from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
         ips = [ip for _, ip in self.interfaces]
@@ -354,7 +358,8 @@ class MdnsDiscovery:
         except OSError as e:
             raise DiscoveryError(f"mDNS cannot bind {ips}: {e}") from None
         log.info("mDNS bound to %s", ", ".join(f"{n} {ip}" for n, ip in self.interfaces))
-        self._browser = AsyncServiceBrowser(self._azc.zeroconf, [SERVICE_TYPE], handlers=[self._on_change])
+        self._browser = AsyncServiceBrowser(self._azc.zeroconf, [SERVICE_TYPE], handlers=[self._on_change],
+                                            question_type=DNSQuestionType.QM)
         self._info = AsyncServiceInfo(
             SERVICE_TYPE, self._name, port=self.port, properties=self._props,
             server=f"peerd-{self.node_id}.local.", parsed_addresses=self.addresses)
@@ -445,6 +450,7 @@ class MdnsDiscovery:
         task.add_done_callback(self._tasks.discard)
 
     async def _resolve(self, name: str, instance: str) -> None:
+        from zeroconf import DNSQuestionType
         from zeroconf.asyncio import AsyncServiceInfo
 
         try:
@@ -455,7 +461,8 @@ class MdnsDiscovery:
                 timeout = self.cfg.mdns_resolve_timeout
                 try:
                     async with asyncio.timeout(timeout + 1.0):
-                        ok = await info.async_request(self._azc.zeroconf, timeout * 1000)
+                        ok = await info.async_request(self._azc.zeroconf, timeout * 1000,
+                                                      question_type=DNSQuestionType.QM)
                 except TimeoutError:
                     ok = False
                 if not ok:
