@@ -154,3 +154,76 @@ def test_start_fails_cleanly_and_stop_is_bounded(lab):
     out = json.loads(r.stdout.splitlines()[-1])
     assert "10.9.9.9" in out["bind_error"]
     assert out["stop_s"] < 0.5 + 2 * 0.5 + 1.0   # stop and close are each bounded by mdns_stop_timeout
+
+
+@pytest.fixture
+def lab2():
+    reason = lab_available()
+    if reason:
+        pytest.skip(reason)
+    lab = NetnsLab(2)
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+def _wait_for(proc, event: str, timeout: float = 15.0) -> dict:
+    import select
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{") and json.loads(line)["event"] == event:
+            return json.loads(line)
+    raise AssertionError(f"no {event!r} event within {timeout} s")
+
+
+def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
+    import shutil
+    import subprocess
+
+    a = lab2.popen(0, ["-m", "peerd.net.discovery", "--node-id", "node-a", "--run-id", "r1", "--port", "7070",
+                       "--device-kind", "cuda", "--duration", "6"])
+    _wait_for(a, "registered")
+    b = lab2.popen(1, ["-m", "peerd.net.discovery", "--node-id", "node-b", "--run-id", "r1", "--port", "7071",
+                       "--duration", "3"])
+    seen = _wait_for(b, "candidate")
+    assert seen["node_id"] == "node-a" and seen["capabilities"]["device_kind"] == "cuda"
+    # Browse-first: the late joiner finds a running peer before its own registration (~1.2 s) ends.
+    registered = _wait_for(b, "registered")
+    print(f"late joiner found node-a at t={seen['t']:.3f} s, registered at t={registered['t']:.3f} s")
+    assert seen["t"] < registered["t"]
+    assert _wait_for(a, "candidate")["node_id"] == "node-b"
+    if shutil.which("dig") is None:
+        b.communicate(timeout=10)
+        a.communicate(timeout=10)
+        pytest.skip("dig not installed: the standard-tool half of this test did not run")
+    answers = {}
+    for name, rtype in (("_peerd._tcp.local", "PTR"), ("node-a._peerd._tcp.local", "SRV"),
+                        ("node-a._peerd._tcp.local", "TXT")):
+        r = subprocess.run(["ip", "netns", "exec", lab2.hosts[1], "dig", "+time=2", "+tries=1", "+short",
+                            "-p", "5353", f"@{lab2.ips[0]}", name, rtype],
+                           capture_output=True, text=True, timeout=10)
+        answers[rtype] = r.stdout
+    assert "node-a._peerd._tcp.local." in answers["PTR"]
+    assert "7070 peerd-node-a.local." in answers["SRV"]
+    assert '"id=node-a" "v=1" "run=r1" "dev=cuda"' in answers["TXT"]
+    b.communicate(timeout=10)
+    a.communicate(timeout=10)
+
+
+def test_two_daemons_on_one_host_over_loopback(lab2):
+    # Both in one namespace, bound to lo: the co-located case (shared port 5353) and loopback addresses.
+    procs = [lab2.popen(0, ["-m", "peerd.net.discovery", "--node-id", f"n{i}", "--port", str(7070 + i),
+                            "--interface", "lo", "--duration", "3.5"]) for i in range(2)]
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        cands = [e for e in _lines(out) if e["event"] == "candidate"]
+        assert [(c["node_id"], c["addresses"]) for c in cands] == [(f"n{1 - i}", [f"127.0.0.1:{7071 - i}"])]
