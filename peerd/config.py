@@ -97,6 +97,8 @@ class Config:
     link_warmup_samples: int = _f(3, "bandwidth samples taken link_min_probe_gap apart before the "
                                      "periodic schedule applies")
     link_min_transfer_bytes: int = _f(64 * 1024, "smallest data-plane transfer used as a bandwidth sample, bytes")
+    link_min_transfer_seconds: float = _f(0.05, "shortest data-plane transfer (RTT taken off) used as a "
+                                                "bandwidth sample, seconds")
     link_retry_max: float = _f(60.0, "longest back-off after failed probes to a peer, seconds")
     link_forget_after: float = _f(900.0, "seconds after which a link estimate nobody refreshed is dropped")
     link_max_entries: int = _f(16384, "most (measurer, target) entries kept in the link matrix")

@@ -111,6 +111,29 @@ def test_probe_size_and_period_formula():
     assert t2.probe_size("b") == CFG.link_probe_max_bytes
 
 
+@pytest.mark.parametrize("bw,rtt", [(1.25e5, 0.3), (1.25e6, 0.05), (1.25e8, 0.25), (1.25e9, 0.0002)])
+def test_warm_up_reaches_the_true_bandwidth_from_a_short_first_probe(bw, rtt):
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now = 0.0
+    while now < 30.0:                                          # warm-up probes are 2 s apart
+        for p in t.due_probes(now):
+            run(t, p, bw, rtt, now)
+        now = t.next_due(now)
+    n = t.estimate("b").bw.n
+    assert CFG.link_warmup_samples <= n <= 6                  # short probes grow ~16x per step
+    assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.02)
+
+
+def test_a_bursty_first_sample_does_not_linger():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    t.observe_rtt("b", 0.002, 0.0)
+    t.observe_transfer("b", 65536, 0.002 + 65536 / 2e7, 0.0, probe=True)   # 2x too fast: a burst
+    t.observe_transfer("b", 2_000_000, 0.002 + 2_000_000 / 1e7, 2.0, probe=True)
+    assert t.estimate("b").bw.mean == pytest.approx(1e7, rel=0.01)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.floats(1e5, 5e9), st.floats(1e-4, 0.3), st.floats(0.0, 0.2), st.integers(0, 2**32))
 def test_probing_costs_well_under_one_percent_at_steady_state(bw, rtt, noise, seed):
@@ -158,7 +181,7 @@ def test_data_plane_traffic_replaces_probes():
     kinds = []
     for _ in range(360):                                    # an hour of transfers every 10 s
         now += 10.0
-        assert t.observe_transfer("b", 4 << 20, rtt + (4 << 20) / bw, now)
+        assert t.observe_transfer("b", 16 << 20, rtt + (16 << 20) / bw, now)
         kinds += answer(t, now, bw, rtt)
     assert BW not in kinds and kinds.count(RTT) >= 300      # pings go on, bulk probes are not needed
     assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.01)

@@ -14,14 +14,19 @@ Estimates
   `seconds` runs from the first byte sent to the peer's acknowledgement, so it contains one RTT;
   we subtract the current RTT estimate, but never more than half the transfer time:
       sample = bytes / max(seconds - rtt, seconds / 2)
-  Data-plane transfers smaller than link_min_transfer_bytes are not samples (they measure latency).
+  Data-plane transfers smaller than link_min_transfer_bytes, or busy for less than
+  link_min_transfer_seconds after the RTT is taken off, are not samples (they measure latency).
 
 When to probe (due_probes)
 - RTT: a small ping every link_rtt_interval unless some RTT sample arrived meanwhile.
 - Bandwidth: the first probe at once (link_probe_min_bytes, since nothing is known), then
-  link_warmup_samples samples link_min_probe_gap apart, each sized from the estimate so far. A
-  too-short transfer underestimates (its time is mostly RTT), so during warm-up a larger probe
-  sample replaces the estimate instead of being averaged in.
+  link_warmup_samples samples link_min_probe_gap apart, each sized from the estimate so far.
+  A too-short sample (RTT-dominated, or busy < link_probe_seconds / 2 while a bigger probe was
+  allowed) is not trusted: an RTT-floored one is a lower bound, a burst-sized one may overshoot.
+  While the estimate rests only on such samples, a larger short sample or any trustworthy one
+  replaces it instead of being averaged in. Warm-up goes on (probes grow about 16x per step) until
+  a sample is trusted or probes reach link_probe_max_bytes; the estimate of a link whose
+  bandwidth-delay product exceeds that stays a lower bound.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
   busy link is rarely probed).
 - Probe size and period, with B the estimated bandwidth and R the estimated RTT:
@@ -134,6 +139,8 @@ class _Schedule:
     retry_at: float = -math.inf
     change_at: float | None = None    # a data-plane sample disagreed with the estimate at
     change_sign: int = 0
+    short: bool = False               # the estimate rests only on too-short bandwidth samples
+    last_bytes: int = 0               # size of the last bandwidth sample
 
 
 class LinkTable:
@@ -193,32 +200,49 @@ class LinkTable:
             return False
         rtt = est.rtt.mean if est.rtt.n else 0.0
         ok = nbytes > 0 and 0 < seconds < math.inf
-        rate = nbytes / max(seconds - rtt, seconds / 2) if ok else 0.0
+        busy = max(seconds - rtt, seconds / 2) if ok else 0.0
+        rate = nbytes / busy if ok else 0.0
         if not 0 < rate <= MAX_BANDWIDTH:
             if probe:
                 self.probe_failed(peer, BW, now)
             return False
-        self._fold(est.bw, rate, self._sched[(peer, BW)], probe, now, 0.0, warmup=True)
+        if not probe and busy < self.cfg.link_min_transfer_seconds:
+            return False                              # latency-dominated: says little about bandwidth
+        sched = self._sched[(peer, BW)]
+        # Too short to trust: RTT-dominated (the floor above applied), or under half a probe's time
+        # when a bigger probe was allowed (the first probe, small traffic: bursts and buffers rule).
+        short = seconds - rtt < seconds / 2 or (
+            busy < self.cfg.link_probe_seconds / 2 and nbytes < self.cfg.link_probe_max_bytes)
+        if sched.short and (not short or rate > est.bw.mean):
+            # The estimate so far rests on too-short samples: a trustworthy one replaces it, and so
+            # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
+            est.bw.restart(rate)
+            self._settle(sched, probe)
+        else:
+            self._fold(est.bw, rate, sched, probe, now, 0.0)
+        sched.short = short and est.bw.n == 1 or (sched.short and short)
+        sched.last_bytes = nbytes
         est.bw_at = now
         return True
 
-    def _fold(self, ewma: Ewma, x: float, sched: _Schedule, probe: bool, now: float, floor: float,
-              warmup: bool = False) -> None:
+    def _settle(self, sched: _Schedule, probe: bool) -> None:
+        if probe:
+            sched.started = None
+            sched.failures = 0
+            sched.retry_at = -math.inf
+            sched.change_at = None
+
+    def _fold(self, ewma: Ewma, x: float, sched: _Schedule, probe: bool, now: float, floor: float) -> None:
         a = self.cfg.link_ewma_alpha
         dev = x - ewma.mean
         off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
         sign = (dev > 0) - (dev < 0)
         if probe:
-            sched.started = None
-            sched.failures = 0
-            sched.retry_at = -math.inf
             if sched.change_at is not None and off and sign == sched.change_sign:
                 ewma.restart(x)                      # the probe confirms the change
-            elif warmup and 0 < ewma.n < self.cfg.link_warmup_samples and x > ewma.mean:
-                ewma.restart(x)                      # warm-up probes grow; earlier ones were too short
             else:
                 ewma.add(x, a)
-            sched.change_at = None
+            self._settle(sched, probe)
             return
         ewma.add(x, a)
         if off and sched.change_at is None:
@@ -268,8 +292,8 @@ class LinkTable:
             due = -math.inf if est.rtt_at is None else est.rtt_at + cfg.link_rtt_interval
         elif est.bw_at is None:
             due = -math.inf
-        elif est.bw.n < cfg.link_warmup_samples:
-            due = est.bw_at + cfg.link_min_probe_gap
+        elif est.bw.n < cfg.link_warmup_samples or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
+            due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
         else:
             due = est.bw_at + self.bw_period(peer)
         if sched.change_at is not None:
