@@ -103,6 +103,19 @@ class Config:
     link_forget_after: float = _f(900.0, "seconds after which a link estimate nobody refreshed is dropped")
     link_max_entries: int = _f(16384, "most (measurer, target) entries kept in the link matrix")
 
+    # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
+    lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "
+                          "(default: <data dir>/lab)", scope="lab")
+    lab_daemon_port: int = _f(7070, "port each lab daemon listens on, at its host's address", scope="lab")
+    lab_cmd_timeout: float = _f(20.0, "bound on one ip/tc command (or batch) run by the lab, seconds", scope="lab")
+    lab_ready_timeout: float = _f(15.0, "seconds a lab delay wire or daemon may take to come up", scope="lab")
+    lab_stop_grace: float = _f(3.0, "seconds between SIGTERM and SIGKILL when the lab stops a process", scope="lab")
+    lab_queue_ms: float = _f(20.0, "leaf queue of a shaped lab class, in milliseconds at its rate", scope="lab")
+    lab_queue_min_bytes: int = _f(131072, "smallest leaf queue of a shaped lab class, bytes "
+                                          "(below one 64 KiB GSO packet TCP stalls)", scope="lab")
+    lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")
+    lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser()

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from mdns_rogue import rogues  # noqa: E402
-from netns_lab import NetnsLab, lab_available  # noqa: E402
+from tests.mdns_rogue import rogues
+from tests.netns_lab import NetnsLab, lab_available
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
 ROGUE = str(Path(__file__).parent / "mdns_rogue.py")

@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from netns_lab import NetnsLab, lab_available  # noqa: E402
+from tests.netns_lab import NetnsLab, lab_available
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
 HELPER = str(Path(__file__).parent / "links_lab_peer.py")

@@ -188,7 +188,7 @@ def encode_txt(node_id: str, protocol_version: int, run_id: str,
     props = {"id": node_id, "v": str(protocol_version), "run": run_id}
     for cap, value in capabilities.items():
         if cap not in CAPABILITY_KEYS:
-            raise ValueError(f"capability {cap!r} is not announced on mDNS; known: {sorted(CAPABILITY_KEYS)}")
+            continue            # e.g. step_time_s: changes while running; Hello and gossip carry it
         key, kind, _ = CAPABILITY_KEYS[cap]
         if value is None or value == "":
             continue

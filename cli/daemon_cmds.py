@@ -1,0 +1,201 @@
+"""`peerd up`, `peerd status`, `peerd peers`, `peerd version`, `peerd keys new`."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+import grpc
+
+from peerd import PROTOCOL_VERSION, __version__
+from peerd import config as config_mod
+from peerd.config import FIELDS, ConfigError, default_data_dir
+
+
+def config_options(fn):
+    """One flag per daemon Config field, so `peerd up --help` documents every bound and default.
+    Fields of other commands (metadata scope, e.g. "lab") stay settable by TOML and PEERD_*."""
+    for name, f in reversed(list(FIELDS.items())):
+        if f.metadata.get("scope", "daemon") != "daemon":
+            continue
+        flag = "--" + f.metadata.get("flag", name).replace("_", "-")
+        default = f.default
+        help_text = f"{f.metadata['help']}"
+        if default not in ("", (), None):
+            help_text += f"  [default: {default}; env PEERD_{name.upper()}]"
+        else:
+            help_text += f"  [env PEERD_{name.upper()}]"
+        kwargs: dict = {"default": None, "help": help_text}
+        if isinstance(default, tuple):
+            kwargs.update(multiple=True, default=(), metavar="HOST:PORT")
+        elif isinstance(default, bool):
+            kwargs.update(type=bool)
+        elif isinstance(default, int):
+            kwargs.update(type=int)
+        elif isinstance(default, float):
+            kwargs.update(type=float)
+        if "choices" in f.metadata:
+            kwargs["type"] = click.Choice(f.metadata["choices"])
+        fn = click.option(flag, name, **kwargs)(fn)
+    return fn
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+@click.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="TOML file with any of the settings below (flags and PEERD_* override it)")
+@config_options
+def up(config_file: str | None, **flags) -> None:
+    """Run the peerd daemon on this host until SIGINT/SIGTERM.
+
+    Serves the Peer service on --listen (authenticated with the cluster secret), the Control service
+    on a unix socket in --data-dir, contacts --peer seeds and learns the rest of the swarm by gossip.
+    """
+    from peerd.net.auth import SecretError, load_secret
+    from peerd.node.daemon import StartupError, run_daemon
+    from peerd.node.identity import DataDirError
+
+    try:
+        cfg = config_mod.load(config_file, overrides=flags)
+        setup_logging(cfg.log_level)
+        secret = load_secret(cfg.secret_file)
+        sys.exit(run_daemon(cfg, secret))
+    except (ConfigError, SecretError, StartupError, DataDirError) as e:
+        click.echo(f"peerd up: {e}", err=True)
+        sys.exit(2)
+
+
+data_dir_option = click.option("--data-dir", default=None,
+                               help="the daemon's data dir (default: $PEERD_DATA_DIR, else "
+                                    "$XDG_DATA_HOME/peerd or ~/.local/share/peerd, as for `peerd up`)")
+json_option = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
+timeout_option = click.option("--timeout", default=3.0, show_default=True, help="seconds to wait for the daemon")
+
+
+def control_stub(data_dir: str | None):
+    from peerd.v1 import control_pb2_grpc
+
+    path = Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser() / "peerd.sock"
+    if not path.exists():
+        raise click.ClickException(f"no daemon control socket at {path}: is `peerd up` running with this "
+                                   f"--data-dir?")
+    channel = grpc.insecure_channel(f"unix://{path}")
+    return channel, control_pb2_grpc.ControlStub(channel)
+
+
+def fetch_status(data_dir: str | None, timeout: float):
+    from peerd.v1 import control_pb2 as cpb
+
+    channel, stub = control_stub(data_dir)
+    try:
+        return stub.Status(cpb.StatusRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        raise click.ClickException(f"daemon did not answer: {e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+
+
+def status_dict(reply) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _peer_rows(reply) -> list[list[str]]:
+    return [[p.node_id, p.address, p.state, f"{p.last_heartbeat_age_s:.1f}s",
+             f"{p.rtt_ms:.2f}" if p.rtt_ms else "-", p.device_kind or "-"] for p in reply.peers]
+
+
+PEER_HEADER = ["NODE", "ADDRESS", "STATE", "LAST HEARD", "RTT MS", "DEVICE"]
+
+
+@click.command()
+@data_dir_option
+@json_option
+@timeout_option
+def status(data_dir: str | None, as_json: bool, timeout: float) -> None:
+    """Show this host's daemon: id, address, uptime and its peers."""
+    reply = fetch_status(data_dir, timeout)
+    if as_json:
+        click.echo(json.dumps(status_dict(reply), indent=2))
+        return
+    alive = sum(p.state == "alive" for p in reply.peers)
+    click.echo(f"node      {reply.node_id} (incarnation {reply.incarnation})\n"
+               f"address   {reply.address}{'  (TLS)' if reply.tls else ''}\n"
+               f"run       {reply.run_id}\n"
+               f"uptime    {reply.uptime_s:.0f}s\n"
+               f"version   peerd {reply.peerd_version}, protocol {reply.protocol_version}, loop {reply.event_loop}\n"
+               f"data dir  {reply.data_dir}\n"
+               f"peers     {alive} alive of {len(reply.peers)}")
+    if reply.peers:
+        click.echo("\n" + _table(_peer_rows(reply), PEER_HEADER))
+
+
+@click.command()
+@data_dir_option
+@json_option
+@timeout_option
+def peers(data_dir: str | None, as_json: bool, timeout: float) -> None:
+    """List the peers this host's daemon knows, with their state."""
+    reply = fetch_status(data_dir, timeout)
+    if as_json:
+        click.echo(json.dumps(status_dict(reply)["peers"], indent=2))
+        return
+    click.echo(_table(_peer_rows(reply), PEER_HEADER) if reply.peers else "no peers yet")
+
+
+@click.command()
+@json_option
+def version(as_json: bool) -> None:
+    """Print the versions of peerd, its protocol and the libraries it runs on."""
+    import google.protobuf
+
+    info = {"peerd": __version__, "protocol": PROTOCOL_VERSION, "python": sys.version.split()[0],
+            "grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}
+    try:
+        from importlib.metadata import version as v
+        info["uvloop"] = v("uvloop")
+        info["zeroconf"] = v("zeroconf")
+    except Exception:  # noqa: BLE001 - optional extras
+        pass
+    if as_json:
+        click.echo(json.dumps(info))
+    else:
+        click.echo("  ".join(f"{k} {val}" for k, val in info.items()))
+
+
+@click.group()
+def keys() -> None:
+    """Manage the cluster secret."""
+
+
+@keys.command("new")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="overwrite an existing file")
+def keys_new(path: str, force: bool) -> None:
+    """Write a new random cluster secret to PATH (mode 600); copy it to every host."""
+    from peerd.net.auth import new_secret
+
+    p = Path(path)
+    if p.exists() and not force:
+        raise click.ClickException(f"{p} exists; pass --force to overwrite")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(new_secret() + "\n")
+    click.echo(f"wrote a new cluster secret to {p}")
+
+
+COMMANDS = [up, status, peers, version, keys]

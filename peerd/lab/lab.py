@@ -1,0 +1,459 @@
+"""`peerd lab`: N hosts on one Linux machine, each in its own network namespace.
+
+Topology. One switch namespace holds a bridge per site; each host namespace has one `eth0`, a veth
+whose other end is a port of its site's bridge. With several sites, every site bridge reaches a
+core bridge through an uplink: a veth pair, or, where the site has outgoing delay or loss, a
+delay wire (two TAPs joined by a userspace process, see delaywire.py). Hosts get addresses in one
+private /24 and no default route, so their traffic can only reach each other.
+
+Shaping (see shaping.py) sits on the sender's side of each hop: a host's eth0 (per destination
+host, and its access-link rate), the switch end of its veth (the access link towards the host),
+and a site's uplink (per destination site). Propagation delay is added after the uplink queue.
+
+Nothing is created in the root namespace: veths are created inside the switch namespace with
+their peer placed straight into the host namespace, and TAPs are opened inside the switch
+namespace. Deleting the lab's namespaces therefore deletes every device, and the only global names
+are the namespaces `peerd-<id>-*`, with a random 4-hex lab id.
+
+Crash safety. The state file in the lab directory is written before each namespace is created and
+right after each process is started, so `down` finds everything even after `up` was SIGKILLed.
+`down` also stops every process found inside the lab's namespaces (a process started but not yet
+recorded, a `lab exec`, a trainer spawned by a daemon) and deletes every namespace carrying the
+lab id. It is idempotent: running it twice, or on a half-built lab, is fine.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import peerd
+from peerd.config import Config, default_data_dir
+from peerd.lab import netns, shaping
+from peerd.lab.netns import LabError
+from peerd.lab.profile import Profile
+
+STATE = "state.json"
+SECRET = "secret"
+SWITCH = "sw"
+
+
+def default_dir(cfg: Config) -> Path:
+    return Path(cfg.lab_dir or os.path.join(cfg.data_dir or default_data_dir(), "lab")).expanduser()
+
+
+def ns_name(lab_id: str, host: str) -> str:
+    return f"peerd-{lab_id}-{host}"
+
+
+def daemon_argv(python: str, ip: str, port: int, data_dir: Path, run_id: str, secret_file: Path,
+                peers: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """The one place where the lab writes a daemon's command line (the daemon's CLI contract)."""
+    argv = [python, "-m", "cli.main", "up", "--listen", f"{ip}:{port}", "--data-dir", str(data_dir),
+            "--run-id", run_id, "--secret-file", str(secret_file)]
+    for p in peers:
+        argv += ["--peer", p]
+    return argv + list(extra)
+
+
+def _code_root() -> str:
+    """Directory holding the `peerd` (and `cli`) packages, for PYTHONPATH of lab processes."""
+    return str(Path(peerd.__file__).resolve().parent.parent)
+
+
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_code_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
+# --- state file -------------------------------------------------------------------------------
+
+def read_state(lab_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(lab_dir) / STATE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LabError(f"no lab recorded in {lab_dir} (no {STATE}); nothing to do") from None
+    except (OSError, ValueError) as e:
+        raise LabError(f"cannot read {path}: {e}") from None
+
+
+def _save(lab_dir: Path, state: dict[str, Any]) -> None:
+    tmp = lab_dir / (STATE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, lab_dir / STATE)
+
+
+@contextlib.contextmanager
+def _locked(lab_dir: Path):
+    """One `up` or `down` at a time per lab directory; the kernel drops the lock if we die."""
+    lab_dir.mkdir(parents=True, exist_ok=True)
+    with open(lab_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LabError(f"another `peerd lab up/down` is running on {lab_dir}") from None
+        yield
+
+
+# --- addresses -------------------------------------------------------------------------------
+
+def _pick_subnet(lab_id: str) -> ipaddress.IPv4Network:
+    """10.250.X.0/24 with X from the lab id, skipping any /24 the root namespace already uses.
+    (Isolation comes from the namespaces; this only avoids confusing overlaps.)"""
+    used = netns.run(["ip", "-4", "-o", "addr", "show"], 10) + netns.run(["ip", "-4", "route", "show"], 10)
+    start = int(lab_id, 16) % 200
+    for k in range(200):
+        net = ipaddress.IPv4Network(f"10.250.{50 + (start + k) % 200}.0/24")
+        if f"10.250.{net.network_address.packed[2]}." not in used:
+            return net
+    raise LabError("no free 10.250.X.0/24 subnet for the lab")
+
+
+def _host_ip(net: ipaddress.IPv4Network, index: int) -> str:
+    return str(net.network_address + index)
+
+
+# --- up ---------------------------------------------------------------------------------------
+
+def up(profile: Profile, lab_dir: str | os.PathLike, cfg: Config | None = None, *, daemons: bool = True,
+       daemon_args: tuple[str, ...] = (), python: str | None = None) -> dict[str, Any]:
+    """Build the lab described by `profile`; return its state. On any failure the partial lab is
+    torn down before the error propagates."""
+    cfg = cfg or Config()
+    netns.require_root()
+    lab_dir = Path(lab_dir).resolve()
+    with _locked(lab_dir):
+        state = _up(profile, lab_dir, cfg, daemons, daemon_args, python or sys.executable)
+    return state
+
+
+def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args: tuple[str, ...],
+        python: str) -> dict[str, Any]:
+    if (lab_dir / STATE).exists():
+        old = read_state(lab_dir)
+        raise LabError(f"a lab (id {old.get('id')}) is already recorded in {lab_dir}; "
+                       f"run `peerd lab down --dir {lab_dir}` first, or use another --dir")
+    if profile.delayed_sites and not os.path.exists("/dev/net/tun"):
+        raise LabError("site_links with delay or loss need /dev/net/tun (TUN/TAP), which is missing")
+    existing = netns.ns_list()
+    while True:
+        lab_id = secrets.token_hex(2)
+        if not any(n.startswith(f"peerd-{lab_id}-") for n in existing):
+            break
+    net = _pick_subnet(lab_id)
+    hosts = {h.name: {"ns": ns_name(lab_id, h.name), "ip": _host_ip(net, h.index), "index": h.index,
+                      "site": h.site, "slowdown": h.slowdown, "link_bps": h.link_bps,
+                      "data_dir": str(lab_dir / h.name / "data")} for h in profile.hosts}
+    links = [{"src": a.name, "dst": b.name, "rate_bps": profile.pair_rates.get((a.name, b.name)),
+              "delay_s": profile.delay(a.name, b.name),
+              "site_rate_bps": (profile.site_links.get((a.site, b.site)).rate_bps
+                                if (a.site, b.site) in profile.site_links else None)}
+             for a in profile.hosts for b in profile.hosts if a is not b]
+    state: dict[str, Any] = {
+        "version": 1, "id": lab_id, "run_id": f"lab-{lab_id}", "dir": str(lab_dir), "phase": "creating",
+        "created": time.time(), "profile": profile.name, "subnet": str(net),
+        "switch": ns_name(lab_id, SWITCH), "namespaces": [], "processes": [], "hosts": hosts, "links": links,
+    }
+    _save(lab_dir, state)
+    try:
+        _build(profile, state, lab_dir, cfg, daemons, daemon_args, python)
+    except BaseException as e:
+        try:
+            _down(lab_dir, cfg, purge=False)
+        except LabError as e2:
+            print(f"peerd lab: cleanup after a failed up also failed: {e2}", file=sys.stderr)
+        if isinstance(e, LabError):
+            raise LabError(f"lab {lab_id} not created (what was made is removed again): {e}") from None
+        raise
+    state["phase"] = "up"
+    _save(lab_dir, state)
+    return state
+
+
+def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, daemons: bool,
+           daemon_args: tuple[str, ...], python: str) -> None:
+    lab_id, t = state["id"], cfg.lab_cmd_timeout
+    sw = state["switch"]
+    hosts = state["hosts"]
+
+    # Namespaces: recorded first, created second, so a crash in between leaks nothing.
+    for ns in [sw] + [h["ns"] for h in hosts.values()]:
+        state["namespaces"].append(ns)
+        _save(lab_dir, state)
+        netns.ns_add(ns, t)
+
+    site_idx = {s: k for k, s in enumerate(profile.sites)}
+    bridge = {s: f"b{lab_id}s{k}" for s, k in site_idx.items()}
+    core = f"b{lab_id}c"
+    multi = len(profile.sites) > 1
+    delayed = set(profile.delayed_sites)
+    # uplink[site] = (device on the site bridge, device on the core bridge)
+    uplink = {s: ((f"t{lab_id}{k}a", f"t{lab_id}{k}b") if s in delayed else (f"u{lab_id}{k}a", f"u{lab_id}{k}b"))
+              for s, k in site_idx.items()} if multi else {}
+
+    br_opts = "type bridge stp_state 0 forward_delay 0 mcast_snooping 0"
+    lines = ["link set lo up"]
+    for s in profile.sites:
+        lines += [f"link add {bridge[s]} {br_opts}", f"link set {bridge[s]} up"]
+    if multi:
+        lines += [f"link add {core} {br_opts}", f"link set {core} up"]
+    for name, h in hosts.items():
+        v = f"v{lab_id}h{h['index']}"
+        lines += [f"link add {v} type veth peer name eth0 netns {h['ns']}",
+                  f"link set {v} master {bridge[h['site']]}", f"link set {v} up"]
+    for s, (a, b) in uplink.items():
+        if s not in delayed:
+            lines += [f"link add {a} type veth peer name {b}", f"link set {a} master {bridge[s]}",
+                      f"link set {b} master {core}", f"link set {a} up", f"link set {b} up"]
+    netns.batch("ip", sw, lines, t)
+    prefix = ipaddress.IPv4Network(state["subnet"]).prefixlen
+    for h in hosts.values():
+        netns.batch("ip", h["ns"], ["link set lo up", f"addr add {h['ip']}/{prefix} dev eth0",
+                                    "link set eth0 up"], t)
+
+    # Delay wires: one process per delayed site, holding its two TAPs.
+    for s in profile.sites:
+        if s not in delayed:
+            continue
+        a, b = uplink[s]
+        out = {hosts[h.name]["ip"]: [l.delay_s, l.loss]
+               for (src, dst), l in profile.site_links.items() if src == s
+               for h in profile.site_hosts(dst)}
+        spec = {"a": a, "b": b, "out": out, "max_bytes": cfg.lab_wire_max_bytes}
+        proc = netns.spawn(sw, [python, "-m", "peerd.lab.delaywire", json.dumps(spec)], env=_child_env(),
+                           log=lab_dir / f"wire-{s}.log", stdout_pipe=True)
+        _record(lab_dir, state, f"wire:{s}", proc.pid)
+        _wait_line(proc, "ready", cfg.lab_ready_timeout, f"delay wire of site {s}", lab_dir / f"wire-{s}.log")
+        netns.batch("ip", sw, [f"link set {a} master {bridge[s]}", f"link set {b} master {core}",
+                               f"link set {a} up", f"link set {b} up"], t)
+
+    # Shaping.
+    q = dict(queue_ms=cfg.lab_queue_ms, queue_min_bytes=cfg.lab_queue_min_bytes,
+             control_share=cfg.lab_control_share)
+    sw_tc: list[str] = []
+    for h in profile.hosts:
+        rates = {hosts[dst]["ip"]: r for (src, dst), r in profile.pair_rates.items() if src == h.name}
+        netns.batch("tc", hosts[h.name]["ns"],
+                    shaping.htb_commands("eth0", h.link_bps, shaping.per_destination(rates), **q), t)
+        sw_tc += shaping.htb_commands(f"v{lab_id}h{h.index}", h.link_bps, [], **q)
+    for s, (a, _) in uplink.items():
+        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)))
+                   for (src, dst), l in profile.site_links.items() if src == s and l.rate_bps]
+        sw_tc += shaping.htb_commands(a, None, classes, **q)
+    netns.batch("tc", sw, sw_tc, t)
+
+    # Secret and daemons.
+    secret = lab_dir / SECRET
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    if not daemons:
+        return
+    port = cfg.lab_daemon_port
+    names = list(hosts)
+    started = []
+    for name, h in hosts.items():
+        seed = names[0] if name != names[0] else (names[1] if len(names) > 1 else None)
+        data_dir = Path(h["data_dir"])
+        data_dir.mkdir(parents=True, exist_ok=True)
+        argv = daemon_argv(python, h["ip"], port, data_dir, state["run_id"], secret,
+                           [f"{hosts[seed]['ip']}:{port}"] if seed else [], daemon_args)
+        log = lab_dir / name / "daemon.log"
+        proc = netns.spawn(h["ns"], argv, env=_child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}), log=log)
+        _record(lab_dir, state, f"daemon:{name}", proc.pid)
+        started.append((name, proc, data_dir / "peerd.sock", log))
+    deadline = time.monotonic() + cfg.lab_ready_timeout
+    for name, proc, sock, log in started:
+        while not sock.exists():
+            if proc.poll() is not None:
+                raise LabError(f"daemon of {name} exited with code {proc.returncode} before it was ready; "
+                               f"log {log}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise LabError(f"daemon of {name} did not create {sock} within {cfg.lab_ready_timeout:g} s "
+                               f"(lab_ready_timeout); log {log}:\n{_tail(log)}")
+            time.sleep(0.05)
+
+
+def _record(lab_dir: Path, state: dict[str, Any], role: str, pid: int) -> None:
+    state["processes"].append({"role": role, "pid": pid, "start": netns.start_time(pid)})
+    _save(lab_dir, state)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_line(proc: subprocess.Popen, want: str, timeout: float, what: str, log: Path) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buf = b""
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LabError(f"{what} not ready within {timeout:g} s (lab_ready_timeout); log {log}:\n{_tail(log)}")
+            r, _, _ = select.select([proc.stdout], [], [], min(left, 0.1))
+            if r:
+                chunk = os.read(proc.stdout.fileno(), 256)
+                if not chunk:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=1)
+                    raise LabError(f"{what} exited (code {proc.returncode}) before it was ready; "
+                                   f"log {log}:\n{_tail(log)}")
+                buf += chunk
+        if buf.split(b"\n")[0].decode(errors="replace").strip() != want:
+            raise LabError(f"{what} said {buf!r} instead of {want!r}; log {log}:\n{_tail(log)}")
+    finally:
+        proc.stdout.close()
+
+
+# --- down -------------------------------------------------------------------------------------
+
+def down(lab_dir: str | os.PathLike, cfg: Config | None = None, *, purge: bool = False) -> list[str] | None:
+    """Stop every lab process and delete every lab namespace (and with them every device).
+    Returns the namespaces deleted, or None when no lab is recorded in `lab_dir`. Idempotent;
+    works on a half-built lab."""
+    cfg = cfg or Config()
+    netns.require_root()
+    lab_dir = Path(lab_dir)
+    if not (lab_dir / STATE).exists():
+        return None
+    with _locked(lab_dir):
+        return _down(lab_dir, cfg, purge)
+
+
+def _down(lab_dir: Path, cfg: Config, purge: bool) -> list[str] | None:
+    if not (lab_dir / STATE).exists():
+        return None
+    state = read_state(lab_dir)
+    lab_id, grace, t = state["id"], cfg.lab_stop_grace, cfg.lab_cmd_timeout
+    prefix = f"peerd-{lab_id}-"
+    stuck = netns.stop([(p["pid"], p["start"]) for p in state["processes"]], grace)
+    ours = set(state["namespaces"]) | {n for n in netns.ns_list() if n.startswith(prefix)}
+    for ns in sorted(ours):
+        # Anything still running inside (a `lab exec`, a daemon's trainer, a process `up` started
+        # but could not record) would keep the namespace and its devices alive after its name is gone.
+        stuck += netns.stop([(p, netns.start_time(p)) for p in netns.ns_pids(ns, t)], grace)
+    for ns in sorted(ours):
+        netns.ns_delete(ns, t)
+    left = sorted(n for n in netns.ns_list() if n.startswith(prefix))
+    if left or stuck:
+        raise LabError(f"lab {lab_id}: could not remove namespaces {left} / stop pids {stuck}; "
+                       f"state kept in {lab_dir / STATE}")
+    for name in (STATE, SECRET, ".lock"):
+        (lab_dir / name).unlink(missing_ok=True)
+    if purge:
+        shutil.rmtree(lab_dir, ignore_errors=True)
+    return sorted(ours)
+
+
+# --- status and exec --------------------------------------------------------------------------
+
+def status(lab_dir: str | os.PathLike) -> dict[str, Any]:
+    """The recorded lab with liveness: which namespaces exist, which processes run."""
+    state = read_state(lab_dir)
+    present = netns.ns_list()
+    procs = {p["role"]: p for p in state["processes"]}
+    out = {k: state[k] for k in ("id", "run_id", "dir", "phase", "profile", "subnet")}
+    out["hosts"] = {}
+    for name, h in state["hosts"].items():
+        d = procs.get(f"daemon:{name}")
+        out["hosts"][name] = {**{k: h[k] for k in ("ns", "ip", "site", "slowdown", "link_bps", "data_dir")},
+                              "namespace_up": h["ns"] in present,
+                              "daemon_pid": d["pid"] if d else None,
+                              "daemon_alive": bool(d) and netns.alive(d["pid"], d["start"])}
+    out["wires"] = {r[5:]: {"pid": p["pid"], "alive": netns.alive(p["pid"], p["start"])}
+                    for r, p in procs.items() if r.startswith("wire:")}
+    out["links"] = state["links"]
+    return out
+
+
+class Lab:
+    """A running lab, read from its directory: what later tests and benchmarks drive."""
+
+    def __init__(self, lab_dir: str | os.PathLike) -> None:
+        self.dir = Path(lab_dir)
+        self.state = read_state(self.dir)
+        self.id: str = self.state["id"]
+        self.run_id: str = self.state["run_id"]
+        self.hosts: list[str] = list(self.state["hosts"])
+
+    def ip(self, host: str) -> str:
+        return self._host(host)["ip"]
+
+    def ns(self, host: str) -> str:
+        return self._host(host)["ns"]
+
+    def slowdown(self, host: str) -> float:
+        return float(self._host(host)["slowdown"])
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        """argv run inside `host`'s namespace with its PEERD_SLOWDOWN, PEERD_DATA_DIR set to its
+        daemon's data dir (so `peerd status` there talks to that daemon) and the lab's code on
+        PYTHONPATH."""
+        env = _child_env()
+        return ["ip", "netns", "exec", self.ns(host), "env", f"PEERD_SLOWDOWN={self.slowdown(host):g}",
+                f"PEERD_DATA_DIR={self._host(host)['data_dir']}", f"PYTHONPATH={env['PYTHONPATH']}", *argv]
+
+    def run(self, host: str, argv: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess:
+        return subprocess.run(self.exec_argv(host, argv), timeout=timeout, capture_output=True, text=True, **kw)
+
+    def popen(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
+        return subprocess.Popen(self.exec_argv(host, argv), **kw)
+
+    def ping(self, src: str, dsts: list[str], count: int = 5, interval: float = 0.05,
+             timeout: float = 2.0) -> list[dict[str, Any]]:
+        """ICMP RTTs from `src` to each host in `dsts` (see probe.py)."""
+        argv = [sys.executable, "-m", "peerd.lab.probe", "ping", *(self.ip(d) for d in dsts),
+                "--count", str(count), "--interval", str(interval), "--timeout", str(timeout)]
+        p = self.run(src, argv, timeout=30 + len(dsts) * count * (interval + timeout))
+        if p.returncode != 0:
+            raise LabError(f"ping from {src} failed: {p.stderr.strip()}")
+        return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+
+    def transfer(self, src: str, dst: str, nbytes: int, port: int = 5001, timeout: float = 60.0) -> dict[str, Any]:
+        """Send `nbytes` over one TCP connection src -> dst; the receiver's goodput (see probe.py)."""
+        sink = self.popen(dst, [sys.executable, "-m", "peerd.lab.probe", "sink", "--port", str(port),
+                                "--bytes", str(nbytes), "--timeout", str(timeout)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout is not None
+            if not select.select([sink.stdout], [], [], timeout)[0] or sink.stdout.readline().strip() != "listening":
+                raise LabError(f"receiver on {dst} did not start: {sink.stderr.read() if sink.poll() else ''}")
+            s = self.run(src, [sys.executable, "-m", "peerd.lab.probe", "send", f"{self.ip(dst)}:{port}",
+                               "--bytes", str(nbytes), "--timeout", str(timeout)], timeout=timeout + 10)
+            if s.returncode != 0:
+                raise LabError(f"sender on {src} failed: {s.stderr.strip()}")
+            out, err = sink.communicate(timeout=timeout)
+            if sink.returncode != 0:
+                raise LabError(f"receiver on {dst} failed: {err.strip()}")
+            return json.loads(out.strip().splitlines()[-1])
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+                sink.wait()
+
+    def _host(self, host: str) -> dict[str, Any]:
+        try:
+            return self.state["hosts"][host]
+        except KeyError:
+            raise LabError(f"no host {host!r} in lab {self.id} (hosts: {', '.join(self.hosts)})") from None

@@ -1,0 +1,93 @@
+"""tc commands that shape one device's egress: htb with per-destination classes.
+
+Layout on a shaped device (all rates in bit/s, tc prints them as "bit"):
+
+    1:    htb root, unmatched traffic -> 1:3
+    1:1   parent: the device's own rate (an access link) or UNLIMITED
+    1:2   control: IPv4 packets under 512 bytes (pure ACKs, heartbeats, pings, small RPCs);
+          prio 0 and its own short queue, so they do not wait behind bulk data
+    1:3   default: everything not matched below, up to the parent rate
+    1:1xx one class per destination group (a host, or all hosts of a site), rate = ceil = its rate
+
+Leaf queues are bfifo sized to `queue_ms` of the class rate but never below `queue_min_bytes`:
+a leaf smaller than one GSO super-packet (64 KiB) drops every large skb and TCP stalls.
+
+htb was chosen over tbf even where one rate per device would do: only a classful qdisc can give
+control traffic its own queue. Rates are link rates; TCP goodput is about 95.6 % of them
+(1448 payload bytes per 1514-byte frame, which is what htb counts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNLIMITED = 10 * 10**9      # the parent rate of a device shaped only per destination
+SMALL_PACKET = 512           # IPv4 total length below which a packet is control traffic
+GOODPUT_RATIO = 1448 / 1514  # TCP payload per frame htb counts (MSS 1448 with timestamps)
+
+
+@dataclass(frozen=True)
+class DstClass:
+    """One shaped class: traffic to any of `dst_ips` shares `rate_bps`."""
+    rate_bps: int
+    dst_ips: tuple[str, ...]
+
+
+def _queue(rate_bps: int, queue_ms: float, min_bytes: int) -> int:
+    return max(min_bytes, int(rate_bps / 8 * queue_ms / 1000))
+
+
+def _burst(rate_bps: int) -> str:
+    # 1 ms at the rate: tc's default (one timer tick's worth, computed oddly for fast rates) leaves
+    # a 1 Gbit class well under its rate, and a 10 Gbit one with a 0-byte burst.
+    b = max(1600, rate_bps // 8 // 1000)
+    return f"burst {b} cburst {b}"
+
+
+def _quantum(rate_bps: int) -> int:
+    # htb warns outside [1000, 200000]; a quantum of ~1 ms of data keeps siblings fair.
+    return min(200_000, max(1514, rate_bps // 8 // 1000))
+
+
+def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, queue_ms: float,
+                 queue_min_bytes: int, control_share: float) -> list[str]:
+    """`tc -batch` lines shaping `dev`'s egress. Empty when there is nothing to shape."""
+    if link_bps is None and not classes:
+        return []
+    parent = link_bps or UNLIMITED
+    ctl_rate = max(64_000, int(parent * control_share))
+    # A limited parent is shared: its children's guaranteed rates add up to the link (a class under
+    # its rate sends without asking its parent), and each borrows up to its ceil, so together they
+    # never exceed the link. An unlimited parent needs no sharing: rate = ceil.
+    share = max(8_000, (parent - ctl_rate) // (len(classes) + 1)) if link_bps else None
+    lines = [
+        f"qdisc add dev {dev} root handle 1: htb default 3",
+        f"class add dev {dev} parent 1: classid 1:1 htb rate {parent}bit ceil {parent}bit "
+        f"{_burst(parent)} quantum {_quantum(parent)}",
+        f"class add dev {dev} parent 1:1 classid 1:2 htb rate {ctl_rate}bit ceil {parent}bit prio 0 "
+        f"{_burst(parent)} quantum {_quantum(ctl_rate)}",
+        f"qdisc add dev {dev} parent 1:2 handle 2: pfifo limit 1000",
+        f"class add dev {dev} parent 1:1 classid 1:3 htb rate {share or parent}bit ceil {parent}bit prio 1 "
+        f"{_burst(parent)} quantum {_quantum(parent)}",
+        f"qdisc add dev {dev} parent 1:3 handle 3: bfifo limit {_queue(parent, queue_ms, queue_min_bytes)}",
+        f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match u16 0x0000 0x{0x10000 - SMALL_PACKET:04x} "
+        f"at 2 flowid 1:2",
+    ]
+    for k, c in enumerate(classes):
+        minor = 0x100 + k
+        ceil = min(c.rate_bps, parent)
+        rate = min(ceil, share) if share else ceil
+        lines += [
+            f"class add dev {dev} parent 1:1 classid 1:{minor:x} htb rate {rate}bit ceil {ceil}bit prio 1 "
+            f"{_burst(ceil)} quantum {_quantum(ceil)}",
+            f"qdisc add dev {dev} parent 1:{minor:x} handle {minor:x}: bfifo limit "
+            f"{_queue(ceil, queue_ms, queue_min_bytes)}",
+        ]
+        lines += [f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip dst {ip}/32 "
+                  f"flowid 1:{minor:x}" for ip in c.dst_ips]
+    return lines
+
+
+def per_destination(rates: dict[str, int]) -> list[DstClass]:
+    """One class per destination host from {dst ip: rate}; equal rates still get separate
+    buckets, so each ordered pair has its own rate."""
+    return [DstClass(r, (ip,)) for ip, r in sorted(rates.items())]

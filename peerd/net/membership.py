@@ -1,0 +1,221 @@
+"""The membership table: who is in the swarm, and whether they are alive. Pure: time is an argument.
+
+Rules (the daemon feeds events in and acts on what comes out):
+- A peer enters the table only after an authenticated Hello, in either direction
+  (`admit`). Addresses learned from seeds, gossip or mDNS are *candidates* until then.
+- Liveness comes from direct contact only: a successful RPC to or from the peer (`heard_from`).
+  Gossip never makes a peer alive; it only tells us whom to contact.
+- Failure detector: no direct contact for `suspect_after` -> suspect; for `dead_after` -> dead;
+  dead for `forget_dead_after` -> dropped. Dead peers are still contacted, with back-off, so a peer
+  that comes back is re-admitted by its first successful contact.
+- A peer that says goodbye (`left`) is not contacted any more until it, or gossip about a newer
+  incarnation of it, shows up again.
+- Incarnations grow on every restart of a node id; an older incarnation never overwrites a newer.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+class State(enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+@dataclass
+class Member:
+    node_id: str
+    address: str
+    run_id: str
+    incarnation: int
+    capabilities: dict
+    state: State
+    admitted_at: float
+    last_heard: float
+    rtt_s: float = 0.0
+    state_since: float = 0.0
+
+
+@dataclass
+class Candidate:
+    address: str
+    source: str                  # "seed", "gossip", "mdns", "heartbeat"
+    node_id: str = ""            # when known (gossip, mdns)
+    next_attempt: float = 0.0
+    failures: int = 0
+    permanent: bool = False      # seeds are retried forever
+
+
+@dataclass
+class Transition:
+    node_id: str
+    old: State | None
+    new: State | None            # None: dropped from the table
+
+
+@dataclass
+class Timing:
+    suspect_after: float = 3.0
+    dead_after: float = 6.0
+    forget_dead_after: float = 3600.0
+    retry_base: float = 0.5
+    retry_max: float = 10.0
+    max_peers: int = 1024
+
+
+RTT_ALPHA = 0.25
+
+
+@dataclass
+class Membership:
+    self_id: str
+    timing: Timing = field(default_factory=Timing)
+    members: dict[str, Member] = field(default_factory=dict)
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+    _retry_at: dict[str, float] = field(default_factory=dict)   # node id -> next contact of a dead peer
+    _failures: dict[str, int] = field(default_factory=dict)
+
+    # --- events -------------------------------------------------------------------------------
+    def add_candidate(self, address: str, source: str, now: float, node_id: str = "",
+                      permanent: bool = False) -> None:
+        if node_id == self.self_id or address in self.candidates:
+            return
+        if node_id and node_id in self.members and self.members[node_id].state is not State.LEFT:
+            return
+        if len(self.candidates) >= self.timing.max_peers:
+            return
+        self.candidates[address] = Candidate(address, source, node_id, now, 0, permanent)
+
+    def admit(self, node_id: str, address: str, run_id: str, incarnation: int,
+              capabilities: dict, now: float) -> Transition | None:
+        """An authenticated Hello succeeded (either direction)."""
+        old = self.members.get(node_id)
+        cand = self.candidates.get(address)
+        if cand is not None and not cand.permanent:
+            del self.candidates[address]
+        if cand is not None and cand.permanent:
+            cand.node_id, cand.failures, cand.next_attempt = node_id, 0, now
+        if old is not None and incarnation < old.incarnation:
+            return None  # a stale Hello from a previous life
+        if old is None and len(self.members) >= self.timing.max_peers:
+            return None
+        member = Member(node_id, address, run_id, incarnation, capabilities, State.ALIVE,
+                        admitted_at=now, last_heard=now, state_since=now,
+                        rtt_s=old.rtt_s if old else 0.0)
+        self.members[node_id] = member
+        self._failures.pop(node_id, None)
+        self._retry_at.pop(node_id, None)
+        prev = old.state if old else None
+        return None if prev is State.ALIVE else Transition(node_id, prev, State.ALIVE)
+
+    def heard_from(self, node_id: str, now: float, incarnation: int | None = None,
+                   rtt_s: float | None = None) -> Transition | None:
+        """Direct contact with an admitted peer. Returns the transition if it came back."""
+        m = self.members.get(node_id)
+        if m is None or (incarnation is not None and incarnation < m.incarnation):
+            return None
+        if incarnation is not None:
+            m.incarnation = incarnation
+        m.last_heard = now
+        if rtt_s is not None:
+            m.rtt_s = rtt_s if m.rtt_s == 0 else (1 - RTT_ALPHA) * m.rtt_s + RTT_ALPHA * rtt_s
+        self._failures.pop(node_id, None)
+        self._retry_at.pop(node_id, None)
+        if m.state is State.ALIVE:
+            return None
+        old, m.state, m.state_since = m.state, State.ALIVE, now
+        return Transition(node_id, old, State.ALIVE)
+
+    def contact_failed(self, node_id: str, now: float) -> None:
+        """An RPC to an admitted peer failed; back off retries of a dead peer."""
+        n = self._failures.get(node_id, 0) + 1
+        self._failures[node_id] = n
+        self._retry_at[node_id] = now + min(self.timing.retry_max, self.timing.retry_base * 2 ** min(n, 16))
+
+    def candidate_failed(self, address: str, now: float) -> None:
+        c = self.candidates.get(address)
+        if c is None:
+            return
+        c.failures += 1
+        c.next_attempt = now + min(self.timing.retry_max, self.timing.retry_base * 2 ** min(c.failures, 16))
+        if not c.permanent and c.failures >= 8:
+            del self.candidates[address]  # gossip/mDNS will tell us again if it is real
+
+    def drop_candidate(self, address: str) -> None:
+        c = self.candidates.get(address)
+        if c is not None and not c.permanent:
+            del self.candidates[address]
+
+    def left(self, node_id: str, incarnation: int, now: float) -> Transition | None:
+        m = self.members.get(node_id)
+        if m is None or incarnation < m.incarnation or m.state is State.LEFT:
+            return None
+        old, m.state, m.state_since = m.state, State.LEFT, now
+        return Transition(node_id, old, State.LEFT)
+
+    def merge_gossip(self, rows: Iterable[dict], now: float, source: str = "gossip") -> None:
+        """Rows of another node's table: learn of nodes to contact; never mark anyone alive."""
+        for row in rows:
+            node_id, address = row.get("node_id", ""), row.get("address", "")
+            if not node_id or not address or node_id == self.self_id:
+                continue
+            if row.get("state") not in (State.ALIVE, State.SUSPECT):
+                continue
+            m = self.members.get(node_id)
+            if m is None:
+                self.add_candidate(address, source, now, node_id=node_id)
+            elif m.state in (State.DEAD, State.LEFT) and row.get("incarnation", 0) >= m.incarnation:
+                # Someone hears from it: try it now rather than at the back-off time.
+                if m.state is State.LEFT and row.get("incarnation", 0) > m.incarnation:
+                    self.add_candidate(address, source, now, node_id=node_id)
+                elif m.state is State.DEAD:
+                    self._retry_at[node_id] = min(self._retry_at.get(node_id, now), now)
+                    if address != m.address:
+                        m.address = address
+
+    def tick(self, now: float) -> list[Transition]:
+        out = []
+        t = self.timing
+        for node_id, m in list(self.members.items()):
+            silent = now - m.last_heard
+            new = m.state
+            if m.state is State.ALIVE and silent >= t.suspect_after:
+                new = State.SUSPECT
+            if m.state in (State.ALIVE, State.SUSPECT) and silent >= t.dead_after:
+                new = State.DEAD
+            if m.state in (State.DEAD, State.LEFT) and now - m.state_since >= t.forget_dead_after:
+                del self.members[node_id]
+                self._retry_at.pop(node_id, None)
+                self._failures.pop(node_id, None)
+                out.append(Transition(node_id, m.state, None))
+                continue
+            if new is not m.state:
+                out.append(Transition(node_id, m.state, new))
+                m.state, m.state_since = new, now
+        return out
+
+    # --- queries ------------------------------------------------------------------------------
+    def to_contact(self, now: float) -> list[Member]:
+        """Admitted peers to heartbeat now: alive and suspect always, dead ones when their back-off is due."""
+        out = []
+        for node_id, m in self.members.items():
+            if m.state in (State.ALIVE, State.SUSPECT):
+                out.append(m)
+            elif m.state is State.DEAD and self._retry_at.get(node_id, 0.0) <= now:
+                out.append(m)
+        return out
+
+    def due_candidates(self, now: float) -> list[Candidate]:
+        return [c for c in self.candidates.values() if c.next_attempt <= now
+                and not (c.node_id and c.node_id in self.members
+                         and self.members[c.node_id].state in (State.ALIVE, State.SUSPECT))]
+
+    def alive(self) -> list[str]:
+        return sorted(n for n, m in self.members.items() if m.state is State.ALIVE)
+
+    def get(self, node_id: str) -> Member | None:
+        return self.members.get(node_id)

@@ -1,0 +1,157 @@
+"""The "## Docker" walkthrough in README.md runs against
+the real files: every command in it is taken apart and checked with the Compose v2 binary, the
+Dockerfile and the peerd CLI, so the text cannot drift from docker/."""
+from __future__ import annotations
+
+import functools
+import re
+
+import click
+import pytest
+
+from tests.docker_files import (DOCKER, ROOT, compose, dockerfile_args, parse_peerd, resolved,
+                                shell_commands)
+
+HEADING = re.compile(r"^## Docker[ \t]*$", re.M)
+PROGRAMS = {"docker", "peerd", "openssl", "chmod"}
+
+
+def docker_section() -> str:
+    homes = [p for p in (ROOT / "README.md", ROOT / "docs" / "docker.md")
+             if p.exists() and HEADING.search(p.read_text())]
+    assert homes, "no '## Docker' section in README.md or docs/docker.md"
+    text = homes[0].read_text()
+    start = HEADING.search(text).start()
+    end = re.compile(r"^## ", re.M).search(text, start + 3)
+    return text[start:end.start() if end else len(text)]
+
+
+def commands() -> list[list[str]]:
+    """Each simple command of the section: `a && b` split, redirections and VAR=value kept apart."""
+    out = []
+    for argv in shell_commands(docker_section()):
+        cur: list[str] = []
+        for tok in argv + ["&&"]:
+            if tok in ("&&", ";", "||", "|"):
+                if cur:
+                    out.append(cur)
+                cur = []
+            else:
+                cur.append(tok)
+    return out
+
+
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    env = {}
+    while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+        k, _, v = argv[0].partition("=")
+        env[k] = v
+        argv = argv[1:]
+    return env, argv
+
+
+@functools.cache
+def compose_options(sub: str | None) -> dict[str, bool]:
+    """Options of `docker compose [SUB]` as the real binary lists them: name -> takes a value."""
+    p = compose((), args=([sub] if sub else []) + ["--help"])
+    assert p.returncode == 0, p.stderr
+    opts = {}
+    for m in re.finditer(r"^\s+(?:(-\w), )?(--[\w-]+)(?: (\w+))?", p.stdout, re.M):
+        short, long, value = m.groups()
+        for name in filter(None, (short, long)):
+            opts[name] = value is not None
+    return opts
+
+
+def take_options(argv: list[str], known: dict[str, bool], where: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """Leading options of argv, checked against `known`: ([(option, value)], rest)."""
+    opts, i = [], 0
+    while i < len(argv) and argv[i].startswith("-"):
+        name, eq, value = argv[i].partition("=")
+        assert name in known, f"{where}: `{name}` is no option of docker compose (v2.40.3)"
+        if known[name] and not eq:
+            i += 1
+            value = argv[i]
+        opts.append((name, value))
+        i += 1
+    return opts, argv[i:]
+
+
+def check_docker_compose(env: dict[str, str], argv: list[str], line: str) -> None:
+    opts, rest = take_options(argv, compose_options(None), line)
+    files = [v for k, v in opts if k in ("-f", "--file")]
+    profiles = [v for k, v in opts if k == "--profile"]
+    assert files, f"{line}: name the compose file with -f"
+    for f in files:
+        assert (ROOT / f).is_file(), f"{line}: no file {f}"
+    text = "".join((ROOT / f).read_text() for f in files)
+    for var in env:
+        assert re.search(r"\$\{" + var + r"\b", text), f"{line}: {var} is not used by {files}"
+    assert rest, f"{line}: no compose subcommand"
+    sub, rest = rest[0], rest[1:]
+    services = resolved(files, profiles, env=env)["services"]
+    sub_opts, args = take_options(rest, compose_options(sub), line)
+    for k, v in sub_opts:
+        if k == "--scale":
+            assert v.split("=")[0] in services, f"{line}: no service {v.split('=')[0]} to scale"
+    if sub in ("exec", "run"):
+        assert args and args[0] in services, f"{line}: no service {args[:1]}"
+        assert args[1:2] == ["peerd"], f"{line}: runs something other than peerd"
+        parse_peerd(args[2:])
+    else:
+        for s in args:
+            assert s in services, f"{line}: no service {s}"
+
+
+def check_docker_build(argv: list[str], line: str) -> None:
+    assert argv[-1] == ".", f"{line}: build from the repository root (context `.`)"
+    opts = list(zip(argv[:-1:2], argv[1:-1:2]))
+    assert len(argv) % 2 == 1 and all(k in ("-f", "-t", "--build-arg") for k, _ in opts), \
+        f"{line}: only -f, -t and --build-arg are checked"
+    assert ("-f", "docker/Dockerfile") in opts, f"{line}: -f docker/Dockerfile"
+    image = resolved(("docker/compose.yaml",))["services"]["peer1"]["image"]
+    assert ("-t", image) in opts, f"{line}: tag it {image}, the image the compose files use"
+    for name in (v.split("=")[0] for k, v in opts if k == "--build-arg"):
+        assert name in dockerfile_args(), f"{line}: the Dockerfile has no ARG {name}"
+
+
+def test_walkthrough_commands_match_the_files():
+    seen = {"compose": set(), "build": 0}
+    for argv in commands():
+        line = " ".join(argv)
+        env, argv = split_env(argv)
+        argv = [a for i, a in enumerate(argv) if a not in (">", ">>") and (i == 0 or argv[i - 1] not in (">", ">>"))]
+        assert argv[0] in PROGRAMS, f"{line}: unexpected program {argv[0]}"
+        if argv[0] == "peerd":
+            parse_peerd(argv[1:])
+        elif argv[:2] == ["docker", "compose"]:
+            check_docker_compose(env, argv[2:], line)
+            seen["compose"].update(argv[i + 1] for i, a in enumerate(argv) if a == "-f")
+        elif argv[:2] == ["docker", "build"]:
+            check_docker_build(argv[2:], line)
+            seen["build"] += 1
+        else:
+            assert argv[0] != "docker", f"{line}: only `docker build` and `docker compose` are checked"
+    files = {f"docker/{p.name}" for p in DOCKER.glob("*.yaml")}
+    assert seen["compose"] == files, f"compose files never used in the walkthrough: {files - seen['compose']}"
+    assert seen["build"], "the walkthrough never builds the image"
+
+
+def test_walkthrough_documents_every_build_argument_and_says_how_it_is_checked():
+    section = docker_section()
+    for arg in dockerfile_args():
+        assert f"`{arg}`" in section, f"build argument {arg} is not documented"
+    assert "validated statically in CI" in section
+
+
+@pytest.mark.parametrize("bad", ["docker compose -f docker/compose.yaml up -d --scale nobody=2",
+                                 "docker compose -f docker/compose.yaml exec peer1 peerd stats",
+                                 "docker compose -f docker/compose.yaml up --detached",
+                                 "docker build -f docker/Dockerfile -t peerd:local --build-arg CUDA=1 ."])
+def test_the_checker_rejects_wrong_commands(bad):
+    argv = bad.split()
+    with pytest.raises((AssertionError, click.UsageError)):
+        if argv[1] == "build":
+            check_docker_build(argv[2:], bad)
+        else:
+            check_docker_compose({}, argv[2:], bad)

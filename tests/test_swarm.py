@@ -1,0 +1,121 @@
+"""Real daemons on loopback: peering through gossip, failure detection, restart, wrong secret, shutdown."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from tests.daemons import peer_states, wait_for
+
+DETECTION_BOUND = 2.0 + 1.0 + 1.5  # dead_after + heartbeat/retry slack + status polling
+
+
+def test_chain_of_seeds_gossips_to_full_membership_then_detects_crash_and_readmits(daemons):
+    d1 = daemons("n1")
+    d2 = daemons("n2", seeds=[d1.address])
+    d3 = daemons("n3", seeds=[d2.address])
+    d4 = daemons("n4", seeds=[d3.address])
+    ds = [d1, d2, d3, d4]
+    ids = {d.node_id for d in ds}
+    assert len(ids) == 4
+
+    def all_see_all():
+        return all(peer_states(d) == {o: "alive" for o in ids - {d.node_id}} for d in ds)
+    wait_for(all_see_all, 15, "every daemon to list the other 3 as alive")
+
+    victim_id = d3.node_id
+    d3.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: all(peer_states(d).get(victim_id) == "dead" for d in (d1, d2, d4)),
+             DETECTION_BOUND + 3, "the others to mark the killed daemon dead")
+    assert time.monotonic() - killed_at < DETECTION_BOUND + 3
+
+    d3.start()
+    st = d3.wait_ready()
+    assert st["node_id"] == victim_id, "restart with the same data dir keeps the node id"
+    assert int(st["incarnation"]) == 2
+    wait_for(all_see_all, 15, "the restarted daemon to be alive everywhere again")
+
+
+def test_wrong_secret_is_refused_by_all_and_never_enters_a_table(daemons, tmp_path):
+    d1 = daemons("g1")
+    d2 = daemons("g2", seeds=[d1.address])
+    wait_for(lambda: peer_states(d1).get(d2.node_id) == "alive", 10, "g1 and g2 to peer")
+    bad_secret = tmp_path / "bad-secret"
+    bad_secret.write_text("not-the-cluster-secret-at-all\n")
+    bad_secret.chmod(0o600)
+    intruder = daemons("intruder", seeds=[d1.address, d2.address], secret=bad_secret)
+    # It also tries to be found: the good daemons must not adopt it from its heartbeats either.
+    time.sleep(3)
+    for d in (d1, d2):
+        assert intruder.node_id not in peer_states(d)
+    assert peer_states(intruder) == {}
+    assert "cluster secret mismatch" in intruder.read_log()     # the refused side says why
+    assert "cluster secret mismatch" in d1.read_log()           # and so does the refusing side
+
+
+def test_status_json_is_parseable_and_complete(daemons):
+    d1 = daemons("s1")
+    d2 = daemons("s2", seeds=[d1.address])
+    wait_for(lambda: peer_states(d1).get(d2.node_id) == "alive", 10, "peering")
+    st = d1.status()
+    assert st["node_id"] == d1.node_id
+    assert st["address"] == d1.address
+    assert st["uptime_s"] > 0
+    assert st["protocol_version"] == 1
+    [peer] = st["peers"]
+    assert peer["node_id"] == d2.node_id and peer["state"] == "alive"
+    assert peer["last_heartbeat_age_s"] < 2.0 and peer["rtt_ms"] > 0
+
+
+def test_event_loop_is_uvloop_by_default_and_asyncio_on_request(daemons):
+    assert daemons("l1").status()["event_loop"] == "uvloop.Loop"
+    stock = daemons("l2", extra=["--event-loop", "asyncio"]).status()["event_loop"]
+    assert stock.startswith("asyncio.") and "uvloop" not in stock
+
+
+def test_sigterm_stops_within_5s_tells_peers_and_cleans_up(daemons):
+    d1 = daemons("t1")
+    d2 = daemons("t2", seeds=[d1.address])
+    wait_for(lambda: peer_states(d1).get(d2.node_id) == "alive", 10, "peering")
+    sock = d2.data_dir / "peerd.sock"
+    assert sock.exists()
+    t0 = time.monotonic()
+    os.kill(d2.proc.pid, signal.SIGTERM)
+    d2.proc.wait(timeout=5)
+    assert time.monotonic() - t0 < 5
+    assert d2.proc.returncode == 0
+    assert not sock.exists(), "the control socket is removed"
+    # it said goodbye: the other side marks it left, not dead after a timeout
+    wait_for(lambda: peer_states(d1).get(d2.node_id) == "left", 3, "goodbye to reach t1")
+    # no child process left behind
+    children = subprocess.run(["pgrep", "-P", str(d2.proc.pid)], capture_output=True, text=True).stdout
+    assert children.strip() == ""
+
+
+def test_sigint_stops_too(daemons):
+    d = daemons("i1")
+    t0 = time.monotonic()
+    os.kill(d.proc.pid, signal.SIGINT)
+    d.proc.wait(timeout=5)
+    assert time.monotonic() - t0 < 5 and d.proc.returncode == 0
+
+
+def test_second_daemon_on_same_data_dir_is_refused_clearly(daemons):
+    d = daemons("dup")
+    other = daemons("dup", start=False)
+    other.start()
+    assert other.proc.wait(timeout=15) == 2
+    assert "in use by another peerd daemon" in other.read_log()
+    assert d.status() is not None
+
+
+def test_ipv6_loopback_peers_gossip_dialable_addresses(daemons):
+    a = daemons("v6a", extra=["--listen", "[::1]:0"])
+    b = daemons("v6b", seeds=[a.address], extra=["--listen", "0.0.0.0:0"])
+    c = daemons("v6c", seeds=[a.address])
+    wait_for(lambda: peer_states(b).get(c.node_id) == "alive" and peer_states(c).get(b.node_id) == "alive",
+             15, "b and c to find each other through a's gossip")
+    for p in a.status()["peers"]:
+        assert "%" not in p["address"]
