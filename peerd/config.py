@@ -93,6 +93,8 @@ class Config:
     link_change_fraction: float = _f(0.5, "relative deviation of a data-plane sample from the estimate "
                                           "that triggers an early re-probe")
     link_rtt_change_floor: float = _f(0.002, "RTT deviations below this many seconds never trigger a re-probe")
+    link_rtt_min_window: float = _f(30.0, "seconds the least RTT seen is kept as the path's base RTT "
+                                          "(used to size probes and taken off transfer times)")
     link_min_probe_gap: float = _f(2.0, "least seconds between two probes of one kind to one peer")
     link_warmup_samples: int = _f(3, "bandwidth samples taken link_min_probe_gap apart before the "
                                      "periodic schedule applies")

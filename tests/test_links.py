@@ -125,6 +125,24 @@ def test_warm_up_reaches_the_true_bandwidth_from_a_short_first_probe(bw, rtt):
     assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.02)
 
 
+def test_queueing_delay_does_not_inflate_probes_but_a_new_path_does_count():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now = steady(t, "b", 1e6, 0.002)
+    size = t.probe_size("b")
+    for _ in range(5):                                      # pings stuck behind bulk data: 0.9 s
+        now += 1.0
+        t.observe_rtt("b", 0.9, now, probe=False)
+    est = t.estimate("b")
+    assert est.rtt.mean > 0.5 and est.base_rtt == 0.002     # experienced RTT vs path RTT
+    assert t.probe_size("b") == size
+    t.observe_transfer("b", 1_000_000, 0.002 + 1.0, now)   # the RTT taken off is the path's
+    assert est.bw.mean == pytest.approx(1e6, rel=0.01)
+    now += CFG.link_rtt_min_window + 1                      # a longer path for good
+    t.observe_rtt("b", 0.05, now)
+    assert est.base_rtt == 0.05
+
+
 def test_a_bursty_first_sample_does_not_linger():
     t = LinkTable("a", CFG)
     t.add_peer("b")

@@ -12,8 +12,11 @@ Estimates
   time of its last sample, so its age is `now - updated_at`.
 - Bandwidth samples come from probes and from real data-plane transfers alike. A transfer's
   `seconds` runs from the first byte sent to the peer's acknowledgement, so it contains one RTT;
-  we subtract the current RTT estimate, but never more than half the transfer time:
-      sample = bytes / max(seconds - rtt, seconds / 2)
+  we subtract the base RTT R, but never more than half the transfer time:
+      sample = bytes / max(seconds - R, seconds / 2)
+  R is the least RTT seen within link_rtt_min_window (the path without queues): pings that
+  wait behind bulk traffic measure the queue (on an 8 Mbit/s htb link, ~1 s behind a 1 MiB
+  transfer), which is right for the RTT estimate but would inflate probe sizes and deflate rates.
   Data-plane transfers smaller than link_min_transfer_bytes, or busy for less than
   link_min_transfer_seconds after the RTT is taken off, are not samples (they measure latency).
 
@@ -29,7 +32,7 @@ When to probe (due_probes)
   bandwidth-delay product exceeds that stays a lower bound.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
   busy link is rarely probed).
-- Probe size and period, with B the estimated bandwidth and R the estimated RTT:
+- Probe size and period, with B the estimated bandwidth and R the base RTT:
       S = clamp(B * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
       P = ping_bytes / (B * link_rtt_interval)          (the share RTT pings take, at most budget/2)
       T = max(link_bw_interval, (S / B) / (link_probe_budget - P))
@@ -106,6 +109,13 @@ class LinkEstimate:
     bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer
     rtt_at: float | None = None                      # time of the last RTT sample
     bw_at: float | None = None                       # time of the last bandwidth sample
+    rtt_min: float = 0.0                             # least RTT seen lately: the path without queues
+    rtt_min_at: float = -math.inf
+
+    @property
+    def base_rtt(self) -> float:
+        """The RTT without queueing, for sizing probes and taking the RTT off transfer times."""
+        return self.rtt_min if self.rtt.n else 0.0
 
     @property
     def samples(self) -> int:
@@ -191,6 +201,8 @@ class LinkTable:
         floor = self.cfg.link_rtt_change_floor
         self._fold(est.rtt, seconds, sched, probe, now, floor)
         est.rtt_at = now
+        if est.rtt.n == 1 or seconds <= est.rtt_min or now - est.rtt_min_at > self.cfg.link_rtt_min_window:
+            est.rtt_min, est.rtt_min_at = seconds, now
         return True
 
     def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float, probe: bool = False) -> bool:
@@ -198,7 +210,7 @@ class LinkTable:
         est = self.links.get(peer)
         if est is None or (not probe and nbytes < self.cfg.link_min_transfer_bytes):
             return False
-        rtt = est.rtt.mean if est.rtt.n else 0.0
+        rtt = est.base_rtt
         ok = nbytes > 0 and 0 < seconds < math.inf
         busy = max(seconds - rtt, seconds / 2) if ok else 0.0
         rate = nbytes / busy if ok else 0.0
@@ -266,7 +278,7 @@ class LinkTable:
         est = self.links[peer]
         if est.bw.n == 0 or est.bw.mean <= 0:
             return cfg.link_probe_min_bytes
-        duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * (est.rtt.mean if est.rtt.n else 0.0))
+        duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
         return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, est.bw.mean * duration)))
 
     def bw_period(self, peer: str) -> float:
