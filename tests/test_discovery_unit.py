@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from peerd.net.discovery import (Adapter, Candidate, DiscoveryError, Ignored, candidate_from_record,
-                                 encode_txt, parse_txt, pick_interfaces)
+                                 encode_txt, own_addresses, parse_txt, pick_interfaces)
 
 
 def txt(props: dict[str, str | bytes]) -> bytes:
@@ -118,3 +118,13 @@ def test_flags_win_and_fallback_order():
                                                                          ("br-4f2a", "172.18.0.1")]
     with pytest.raises(DiscoveryError, match="tun0"):
         pick_interfaces(ADAPTERS, "tun0", None)
+
+
+def test_own_addresses_fall_back_from_wildcards_and_names():
+    ifs = [("eth0", "192.0.2.2"), ("wlan0", "198.51.100.4")]
+    assert own_addresses(["0.0.0.0:7070"], ifs) == ["192.0.2.2", "198.51.100.4"]
+    assert own_addresses(["gpu1.example.org:7070"], ifs) == ["192.0.2.2", "198.51.100.4"]
+    assert own_addresses(["203.0.113.9:7070", "[fd00::9]:7070"], ifs) == ["203.0.113.9", "fd00::9"]
+    assert own_addresses(["127.0.0.1:7070"], [("lo", "127.0.0.1")]) == ["127.0.0.1"]
+    with pytest.raises(DiscoveryError, match="loopback"):
+        own_addresses(["127.0.0.1:7070"], ifs)

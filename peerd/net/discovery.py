@@ -299,6 +299,32 @@ def candidate_from_record(instance: str, txt: bytes, port: int | None, addresses
 
 # ---- the service ----------------------------------------------------------------------------------
 
+def own_addresses(addresses: Sequence[str], interfaces: Sequence[tuple[str, str]]) -> list[str]:
+    """The IPs to announce: the given HOST[:PORT]s that are usable IPs, else the interfaces' IPs.
+
+    A wildcard listen address (0.0.0.0, ::) or a DNS name cannot go into an A record, so those
+    fall back to the addresses mDNS is bound to. Announcing loopback to a network is refused.
+    """
+    out = []
+    for a in addresses:
+        host = _host_of(a)
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            log.warning("mDNS: %r is not an IP address; announcing the interface addresses instead", a)
+            continue
+        if not ip.is_unspecified:
+            out.append(host)
+    if not out:
+        out = [ip for _, ip in interfaces]
+    if all(ipaddress.ip_address(a).is_loopback for a in out) and \
+            not all(ipaddress.ip_address(ip).is_loopback for _, ip in interfaces):
+        raise DiscoveryError(f"the Peer service is reachable only at {', '.join(out)} (loopback), which "
+                             f"peers on {', '.join(n for n, _ in interfaces)} cannot dial: listen on "
+                             f"0.0.0.0 or an interface address, or set --advertise-address")
+    return list(dict.fromkeys(out))
+
+
 def _instance_of(name: str) -> str | None:
     suffix = "." + SERVICE_TYPE
     return name[: -len(suffix)] if name.lower().endswith(suffix) else None
@@ -310,6 +336,11 @@ class MdnsDiscovery:
     `on_candidate(Candidate)` is called (on the event loop) for each newly seen or changed
     announcement that passed validation; `on_gone(node_id)` when a candidate's service is withdrawn
     (a hint only). Callbacks must not block; exceptions in them are logged.
+
+    `addresses` are where the Peer service can be dialed (HOST[:PORT]; wildcards and names fall
+    back to the interfaces' IPs). The constructor raises ValueError for values that cannot be
+    announced and DiscoveryError for an unreachable setup; `start` raises DiscoveryError. Either
+    way the daemon should log it and go on without mDNS: seeds still work.
     """
 
     def __init__(self, *, node_id: str, run_id: str, protocol_version: int, port: int,
@@ -324,9 +355,7 @@ class MdnsDiscovery:
             raise DiscoveryError("no interface to run mDNS on")
         self.port = port
         self.interfaces = list(interfaces)
-        self.addresses = [_host_of(a) for a in addresses] or [ip for _, ip in self.interfaces]
-        for a in self.addresses:
-            ipaddress.ip_address(a)         # ValueError names the bad address
+        self.addresses = own_addresses(addresses, self.interfaces)
         self._props = encode_txt(node_id, protocol_version, run_id, capabilities)
         self.on_candidate, self.on_gone = on_candidate, on_gone
         self.ignored: dict[str, str] = {}           # name -> last reason (bounded)
