@@ -187,10 +187,11 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
     import subprocess
 
     a = lab2.popen(0, ["-m", "peerd.net.discovery", "--node-id", "node-a", "--run-id", "r1", "--port", "7070",
-                       "--device-kind", "cuda", "--duration", "6"])
+                       "--device-kind", "cuda", "--duration", "7", "--update-at", "5",
+                       "--update-device-kind", "mps"])
     _wait_for(a, "registered")
     b = lab2.popen(1, ["-m", "peerd.net.discovery", "--node-id", "node-b", "--run-id", "r1", "--port", "7071",
-                       "--duration", "3"])
+                       "--duration", "5"])
     seen = _wait_for(b, "candidate")
     assert seen["node_id"] == "node-a" and seen["capabilities"]["device_kind"] == "cuda"
     # Browse-first: the late joiner finds a running peer before its own registration (~1.2 s) ends.
@@ -198,6 +199,9 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
     print(f"late joiner found node-a at t={seen['t']:.3f} s, registered at t={registered['t']:.3f} s")
     assert seen["t"] < registered["t"]
     assert _wait_for(a, "candidate")["node_id"] == "node-b"
+    # A re-announcement with new capabilities reaches the other side as a changed candidate.
+    updated = _wait_for(b, "candidate", timeout=10)
+    assert updated["node_id"] == "node-a" and updated["capabilities"]["device_kind"] == "mps"
     if shutil.which("dig") is None:
         b.communicate(timeout=10)
         a.communicate(timeout=10)
@@ -211,7 +215,7 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
         answers[rtype] = r.stdout
     assert "node-a._peerd._tcp.local." in answers["PTR"]
     assert "7070 peerd-node-a.local." in answers["SRV"]
-    assert '"id=node-a" "v=1" "run=r1" "dev=cuda"' in answers["TXT"]
+    assert '"id=node-a" "v=1" "run=r1" "dev=mps"' in answers["TXT"]
     b.communicate(timeout=10)
     a.communicate(timeout=10)
 

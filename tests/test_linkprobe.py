@@ -9,7 +9,7 @@ import pytest
 
 from peerd.config import Config
 from peerd.net.linkprobe import probe_loop
-from peerd.net.links import BW, RTT, LinkMatrix, LinkTable, render_links
+from peerd.net.links import BW, LinkMatrix, LinkTable, render_links
 from peerd.v1 import peer_pb2, peer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

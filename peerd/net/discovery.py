@@ -37,7 +37,6 @@ import fnmatch
 import ipaddress
 import logging
 import re
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -559,6 +558,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--advertise-address", default="")
     p.add_argument("--device-kind", default="cpu")
     p.add_argument("--duration", type=float, default=5.0, help="seconds to run")
+    p.add_argument("--update-at", type=float, default=0.0,
+                   help="seconds after start to re-announce with --update-device-kind")
+    p.add_argument("--update-device-kind", default="")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t0 = time.monotonic()
@@ -584,6 +586,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
             emit(event="error", error=str(e))
             return 1
         emit(event="registered")
+        if args.update_at:
+            await asyncio.sleep(max(0.0, args.update_at - (time.monotonic() - t0)))
+            await disc.update_capabilities({"device_kind": args.update_device_kind})
+            emit(event="updated")
         await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
         emit(event="ignored", ignored=disc.ignored)
         await disc.stop()
