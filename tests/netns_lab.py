@@ -13,6 +13,9 @@ import secrets
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def lab_available() -> str | None:
@@ -70,9 +73,9 @@ class NetnsLab:
 
     def popen(self, host: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start `python argv...` inside host namespace `host` (0-based); killed by close()."""
-        env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         p = subprocess.Popen(["ip", "netns", "exec", self.hosts[host], sys.executable, *argv],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, **kw)
         self.procs.append(p)
         return p
 

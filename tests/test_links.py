@@ -336,6 +336,7 @@ def test_lookups_and_gossip_limit():
     assert m.bandwidth("b", "c") == 2e6 and m.bandwidth("c", "d") is None
     assert m.bandwidth("d", "b") is None and m.rtt("b", "c") == 0.03    # the fresher measurement
     assert [e["measurer"] for e in m.to_entries(10.0, limit=1)] == ["c"]
+    assert [e["measurer"] for e in m.to_entries(10.0, newer_than=7.0)] == ["c"]   # born at 9, not 5
     m.remove_node("b")
     assert m.entries == {}
 
