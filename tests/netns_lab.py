@@ -8,11 +8,13 @@ removes the veths and the bridge with them.
 from __future__ import annotations
 
 import os
+import queue
 import random
 import secrets
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,6 +30,40 @@ def lab_available() -> str | None:
     if r.returncode != 0:
         return f"`ip netns` unavailable: {r.stderr.strip()}"
     return None
+
+
+def readline(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of a child's stdout ('' at EOF), or AssertionError after `timeout` s (never a hang).
+
+    A reader thread feeds a queue: select() on the pipe would miss lines already buffered by
+    Python's text wrapper. Use either this or communicate() on a process, not both at once.
+    """
+    q = _QUEUES.get(proc.pid)
+    if q is None:
+        q = _QUEUES[proc.pid] = queue.Queue()
+
+        def pump() -> None:
+            for line in iter(proc.stdout.readline, ""):
+                q.put(line)
+            q.put("")
+        threading.Thread(target=pump, daemon=True).start()
+    try:
+        return q.get(timeout=max(0.0, timeout))
+    except queue.Empty:
+        raise AssertionError(f"no output from {proc.args[-3:]} within {timeout} s") from None
+
+
+def rest(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """What is left of stdout and all of stderr once the process ends (bounded)."""
+    proc.wait(timeout=timeout)
+    err = proc.stderr.read()
+    lines = []
+    while (line := readline(proc, timeout)) != "":
+        lines.append(line)
+    return "".join(lines), err
+
+
+_QUEUES: dict[int, queue.Queue] = {}
 
 
 def _ip(*args: str, ns: str | None = None) -> None:

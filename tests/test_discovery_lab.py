@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.mdns_rogue import rogues
-from tests.netns_lab import NetnsLab, lab_available
+from tests.netns_lab import NetnsLab, lab_available, readline, rest
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
 ROGUE = str(Path(__file__).parent / "mdns_rogue.py")
@@ -39,7 +39,7 @@ def test_daemons_find_each_other_and_ignore_rogue_records(lab):
     run_id = f"lab-{secrets.token_hex(2)}"
     ids = ["node-a", "node-b", "node-c"]
     rogue = lab.popen(2, [ROGUE, lab.ips[2], run_id, "node-a", "12"])
-    ready = rogue.stdout.readline()
+    ready = readline(rogue, 20)
     assert "ready" in ready, rogue.stderr.read() if rogue.poll() is not None else ready
     # node-c leaves early (clean goodbye) so the others must report it gone, as a hint.
     durations = [6.0, 6.0, 4.0]
@@ -74,7 +74,7 @@ def test_daemons_find_each_other_and_ignore_rogue_records(lab):
         assert err.count("ignoring 'rogue-badver._peerd._tcp.local.'") == 1
         if ids[i] != "node-c":
             assert [e["node_id"] for e in events if e["event"] == "gone"][:1] == ["node-c"]
-    rogue.communicate(timeout=20)
+    rest(rogue, 20)
 
 
 def test_interface_choice_skips_virtual_interfaces(lab):
@@ -167,19 +167,14 @@ def lab2():
 
 
 def _wait_for(proc, event: str, timeout: float = 15.0) -> dict:
-    import select
     import time
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
-        if not ready:
-            break
-        line = proc.stdout.readline()
+    while True:
+        line = readline(proc, max(0.0, end - time.monotonic()))
         if not line:
-            break
+            raise AssertionError(f"{proc.args[-3:]} exited before a {event!r} event")
         if line.startswith("{") and json.loads(line)["event"] == event:
             return json.loads(line)
-    raise AssertionError(f"no {event!r} event within {timeout} s")
 
 
 def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
@@ -203,8 +198,8 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
     updated = _wait_for(b, "candidate", timeout=10)
     assert updated["node_id"] == "node-a" and updated["capabilities"]["device_kind"] == "mps"
     if shutil.which("dig") is None:
-        b.communicate(timeout=10)
-        a.communicate(timeout=10)
+        rest(b, 10)
+        rest(a, 10)
         pytest.skip("dig not installed: the standard-tool half of this test did not run")
     answers = {}
     for name, rtype in (("_peerd._tcp.local", "PTR"), ("node-a._peerd._tcp.local", "SRV"),
@@ -216,8 +211,8 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
     assert "node-a._peerd._tcp.local." in answers["PTR"]
     assert "7070 peerd-node-a.local." in answers["SRV"]
     assert '"id=node-a" "v=1" "run=r1" "dev=mps"' in answers["TXT"]
-    b.communicate(timeout=10)
-    a.communicate(timeout=10)
+    rest(b, 10)
+    rest(a, 10)
 
 
 def test_two_daemons_on_one_host_over_loopback(lab2):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns_lab import NetnsLab, lab_available
+from tests.netns_lab import NetnsLab, lab_available, readline, rest
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
 HELPER = str(Path(__file__).parent / "links_lab_peer.py")
@@ -46,7 +46,7 @@ def shape(lab, rate: str, change: bool = False) -> None:
 
 def start_server(lab):
     server = lab.popen(1, [HELPER, "serve", "7300"])
-    assert server.stdout.readline().strip() == "ready"
+    assert readline(server, 20).strip() == "ready"
     return server
 
 
@@ -82,12 +82,12 @@ def test_a_peer_that_dies_mid_transfer_fails_the_probe_and_nothing_else(lab):
     prober = lab.popen(0, [HELPER, "probe", f"{lab.ips[1]}:7300", "7", "/nonexistent", "2.0"])
     started = None
     while started is None:
-        e = json.loads(prober.stdout.readline())
+        e = json.loads(readline(prober, 20))
         if e["kind"] == "bw" and e["event"] == "start" and e["size"] > 200_000:
             started = e
     time.sleep(0.5)
     server.kill()
-    out, err = prober.communicate(timeout=30)
+    out, err = rest(prober, 30)
     assert prober.returncode == 0, err
     events = [json.loads(line) for line in out.splitlines()]
     errors = [e for e in events if e["event"] == "error"]
