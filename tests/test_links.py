@@ -337,6 +337,10 @@ def test_lookups_and_gossip_limit():
     assert m.bandwidth("d", "b") is None and m.rtt("b", "c") == 0.03    # the fresher measurement
     assert [e["measurer"] for e in m.to_entries(10.0, limit=1)] == ["c"]
     assert [e["measurer"] for e in m.to_entries(10.0, newer_than=7.0)] == ["c"]   # born at 9, not 5
+    times = m.expected_times(["b", "c", "d"], nbytes=4_000_000)
+    assert times[1][0] == pytest.approx(0.03 / 2 + 4_000_000 / 2e6)    # b -> c, measured by b
+    assert times[0][1] == pytest.approx(0.03 / 2 + 4_000_000 / 3e6)    # c -> b, measured by c
+    assert times[0][0] == 0.0 and times[2][0] == math.inf
     m.remove_node("b")
     assert m.entries == {}
 

@@ -469,6 +469,24 @@ class LinkMatrix:
         found = [e for e in (self.entries.get((a, b)), self.entries.get((b, a))) if e and e.rtt_s > 0]
         return max(found, key=lambda e: e.updated_at).rtt_s if found else None
 
+    def expected_times(self, nodes: list[str], nbytes: int, unknown: float = math.inf) -> list[list[float]]:
+        """times[i][j]: seconds until nodes[j]'s `nbytes` arrive at nodes[i] (half an RTT plus
+        nbytes over the bandwidth j -> i; i's own measurement towards j when j's is missing). The
+        shape peerd.sync's LinkEstimates takes. `unknown` where neither side measured; 0 on the
+        diagonal."""
+        out = []
+        for i, dst in enumerate(nodes):
+            row = []
+            for j, src in enumerate(nodes):
+                if i == j:
+                    row.append(0.0)
+                    continue
+                bw = self.bandwidth(src, dst)
+                rtt = self.rtt(src, dst) or 0.0
+                row.append(unknown if bw is None else rtt / 2 + nbytes / bw)
+            out.append(row)
+        return out
+
     def to_entries(self, now: float, limit: int | None = None,
                    newer_than: float | None = None) -> list[dict[str, Any]]:
         """Entries in gossip form (LinkEntry fields, ages relative to `now`), own rows first, then
