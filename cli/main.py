@@ -11,14 +11,12 @@ def cli() -> None:
 
 def _register() -> None:
     # Each area of the CLI lives in its own module; adding one is one line here.
-    from cli import daemon_cmds
-    from cli import demo as demo_cmds
-    from cli import lab as lab_cmds
+    from cli import bench, daemon_cmds, demo, lab, sim, train
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
-    cli.add_command(demo_cmds.demo)
-    cli.add_command(lab_cmds.lab)
+    for command in (demo.demo, train.train, lab.lab, bench.bench, sim.sim):
+        cli.add_command(command)
 
 
 _register()

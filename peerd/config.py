@@ -105,6 +105,32 @@ class Config:
     link_forget_after: float = _f(900.0, "seconds after which a link estimate nobody refreshed is dropped")
     link_max_entries: int = _f(16384, "most (measurer, target) entries kept in the link matrix")
 
+    # --- data plane (tensor transfers; peerd/net/dataplane.py) ------------------------------------
+    dataplane_chunk_bytes: int = _f(1 << 20, "bytes of tensor data per stream message (1 MiB measured best)")
+    dataplane_max_transfer_bytes: int = _f(4 << 30, "largest tensor buffer accepted in one transfer, bytes")
+    dataplane_peer_bytes: int = _f(4 << 30, "receive bytes held per peer (in flight or not yet released)")
+    dataplane_total_bytes: int = _f(8 << 30, "receive bytes held over all peers")
+    dataplane_admit_timeout: float = _f(5.0, "seconds a transfer waits for the byte budget before it is refused")
+    dataplane_stall_timeout: float = _f(20.0, "seconds without a stream message before a transfer is aborted")
+    dataplane_min_rate: int = _f(1_000_000, "bytes/s below which a transfer is too slow: sets its deadline")
+    dataplane_max_rpcs_per_peer: int = _f(4, "data-plane RPCs in flight to (and accepted from) one peer")
+    dataplane_max_header_bytes: int = _f(1 << 20, "largest tensor header (the layout) accepted, bytes")
+    dataplane_max_tensors: int = _f(1 << 16, "most tensors in one transfer's layout")
+    dataplane_pool_bytes: int = _f(4 << 30, "idle receive/scratch buffers kept for reuse, bytes")
+    dataplane_deliver_timeout: float = _f(5.0, "seconds a received transfer waits for the daemon to take it")
+    dataplane_checksum: str = _f("crc32", "checksum of sent transfers: crc32 or none", choices=("crc32", "none"))
+    dataplane_compression: str = _f("none", "cast float32 tensors on the wire: none, fp16 or bf16",
+                                    choices=("none", "fp16", "bf16"))
+    keepalive_interval: float = _f(10.0, "seconds between gRPC keepalive pings on idle connections")
+    keepalive_timeout: float = _f(5.0, "seconds to wait for a keepalive ack before the connection is dead")
+
+    # --- training runs in the daemon (peerd train; peerd/node/training.py) ---------------------
+    train_join_timeout: float = _f(60.0, "seconds `peerd train` waits for the run's world to be present")
+    train_early_updates: int = _f(64, "peers' updates held when they arrive before this host's run starts")
+    train_progress_interval: float = _f(0.5, "seconds between progress records streamed to `peerd train`")
+    train_max_restarts: int = _f(5, "times a crashed trainer is restarted from its checkpoint before the run fails")
+    train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
+
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "
                           "(default: <data dir>/lab)", scope="lab")
@@ -117,6 +143,27 @@ class Config:
                                           "(below one 64 KiB GSO packet TCP stalls)", scope="lab")
     lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")
     lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
+
+    # --- sync policy (peerd/sync; read by the daemon and by `peerd sim`) -----------------------
+    sync_algorithm: str = _f("hop-backup-skip", "sync algorithm: d-psgd, hop, hop-backup, hop-staleness, "
+                                                "hop-backup-skip, hop-staleness-skip, aau, netmax, "
+                                                "netmax-uniform, netmax-inv, netmax-invsqrt, ad-psgd, sgp")
+    sync_topology: str = _f("ring", "graph: ring, torus, complete, exp, exp-directed, aer, links",
+                            choices=("ring", "torus", "complete", "exp", "exp-directed", "aer", "links"))
+    sync_weighting: str = _f("uniform", "mixing weights: uniform or mh (Metropolis-Hastings)",
+                             choices=("uniform", "mh"))
+    hop_max_ig: int = _f(4, "Hop: most iterations a sender may run ahead of a receiver (initial tokens per edge)")
+    hop_backup: int = _f(1, "Hop: in-neighbours not waited for in each iteration (backup workers)")
+    hop_staleness: int = _f(-1, "Hop: staleness bound s in iterations (-1: off)")
+    hop_max_skip: int = _f(4, "Hop: most iterations a slow worker skips at once")
+    aau_staleness: int = _f(2, "DSGD-AAU: oldest iteration lag of a non-waited neighbour's model still mixed")
+    netmax_gamma: float = _f(0.5, "NetMax: consensus weight of the pulled model")
+    netmax_resolve_frac: float = _f(0.2, "NetMax: relative change of a link estimate that triggers a re-solve")
+    netmax_consensus: float = _f(0.3, "NetMax: weight of the consensus term in the time-to-converge model")
+
+    # --- trainer side (peerd.train) -------------------------------------------------------------
+    train_mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
+                                        "iteration before giving up with an error")
 
     @property
     def data_path(self) -> Path:
@@ -223,3 +270,9 @@ def validate(cfg: Config) -> None:
         host, sep, port = getattr(cfg, addr_field).rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"{addr_field}: expected HOST:PORT, got {getattr(cfg, addr_field)!r}")
+    if not 4096 <= cfg.dataplane_chunk_bytes <= 64 << 20:
+        raise ConfigError(f"dataplane_chunk_bytes ({cfg.dataplane_chunk_bytes}) must be within 4 KiB..64 MiB")
+    if cfg.dataplane_max_rpcs_per_peer < 1:
+        raise ConfigError(f"dataplane_max_rpcs_per_peer ({cfg.dataplane_max_rpcs_per_peer}) must be at least 1")
+    if cfg.dataplane_min_rate <= 0:
+        raise ConfigError(f"dataplane_min_rate ({cfg.dataplane_min_rate}) must be positive")

@@ -23,8 +23,70 @@ class ControlService:
     async def Links(self, request: cpb.LinksRequest, context) -> cpb.LinksReply:
         return self.d.links_message()
 
+    def _run(self, session: str = ""):
+        run = self.d.training
+        if run is None or (session and session != run.session):
+            return None
+        return run
+
+    async def Train(self, request: cpb.TrainRequest, context):
+        from peerd.node.training import serve_train
+        async for progress in serve_train(self.d, request, context):
+            yield progress
+
+    async def Attach(self, request: cpb.AttachRequest, context) -> cpb.AttachReply:
+        from peerd.train.flat import LayoutMismatch
+        run = self._run()
+        if run is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "peerd: no training run on this daemon (start one with `peerd train`)")
+        if request.run_id and request.run_id != self.d.cfg.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peerd: trainer of run {request.run_id!r}, daemon runs {self.d.cfg.run_id!r}")
+        try:
+            return run.attach(request)
+        except (LayoutMismatch, ValueError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: refused attach: {e}")
+
+    async def Publish(self, request: cpb.PublishRequest, context) -> cpb.PublishReply:
+        from peerd.node.training import RunError
+        run = self._run(request.session_id)
+        if run is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peerd: no session {request.session_id!r}")
+        try:
+            run.publish(request)
+        except RunError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+        return cpb.PublishReply()
+
+    async def Mix(self, request: cpb.MixRequest, context) -> cpb.MixReply:
+        from peerd.node.training import RunError
+        run = self._run(request.session_id)
+        if run is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peerd: no session {request.session_id!r}")
+        try:
+            return await run.mix(request)
+        except RunError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+
+    async def ReportMetrics(self, request_iterator, context) -> cpb.MetricAck:
+        async for metric in request_iterator:
+            run = self._run(metric.session_id)
+            if run is not None:
+                run.on_metric(metric)
+        return cpb.MetricAck()
+
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             "Status": unary(self.Status, cpb.StatusRequest, cpb.StatusReply),
             "Links": unary(self.Links, cpb.LinksRequest, cpb.LinksReply),
+            "Attach": unary(self.Attach, cpb.AttachRequest, cpb.AttachReply),
+            "Publish": unary(self.Publish, cpb.PublishRequest, cpb.PublishReply),
+            "Mix": unary(self.Mix, cpb.MixRequest, cpb.MixReply),
+            "Train": grpc.unary_stream_rpc_method_handler(
+                self.Train, request_deserializer=cpb.TrainRequest.FromString,
+                response_serializer=cpb.TrainProgress.SerializeToString),
+            "ReportMetrics": grpc.stream_unary_rpc_method_handler(
+                self.ReportMetrics, request_deserializer=cpb.Metric.FromString,
+                response_serializer=cpb.MetricAck.SerializeToString),
         }

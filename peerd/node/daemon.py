@@ -19,6 +19,7 @@ import grpc
 from peerd import PROTOCOL_VERSION, __version__
 from peerd.config import Config
 from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_KEY
+from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options
 from peerd.net.membership import Member, Membership, State, Timing, Transition
 from peerd.node import capabilities
 from peerd.node.control_service import ControlService
@@ -37,20 +38,6 @@ UNIX_PATH_MAX = 107
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says why and what to do."""
-
-
-def grpc_options(cfg: Config) -> list[tuple[str, int]]:
-    limit = cfg.max_control_message_bytes
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ]
 
 
 def loop_name() -> str:
@@ -79,6 +66,9 @@ class Daemon:
         self._hb_seq = 0
         self._events = None
         self._logged_refusals: dict[str, float] = {}
+        self.dataplane: DataPlane | None = None
+        self.training = None                        # the TrainingRun of `peerd train`, when one is active
+        self._early: list[Received] = []       # peers' updates that arrived before our run started
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -99,8 +89,10 @@ class Daemon:
         self._events = open(self.data.path / "events.jsonl", "a", buffering=1)
 
         self._server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=grpc_options(cfg))
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(PEER_SERVICE, PeerService(self).method_handlers()),))
+        self.dataplane = DataPlane(cfg, self.node_id, cfg.run_id, on_received=self._on_received,
+                                   source=self._pull_source)
+        handlers = {**PeerService(self).method_handlers(), **self.dataplane.method_handlers()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PEER_SERVICE, handlers),))
         host, port = split_host_port(cfg.listen, allow_zero=True)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -150,6 +142,8 @@ class Daemon:
     async def shutdown(self) -> None:
         """Tell peers we leave, stop serving, close sockets, remove the control socket."""
         cfg = self.cfg
+        if self.training is not None:
+            await self.training.stop()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -165,6 +159,11 @@ class Daemon:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        for rec in self._early:
+            rec.release()
+        self._early.clear()
+        if self.dataplane is not None:
+            self.dataplane.close()
         if self._control is not None:
             self.cfg.control_socket.unlink(missing_ok=True)
         if self._events is not None:
@@ -220,6 +219,11 @@ class Daemon:
         level = logging.WARNING if tr.new in (State.DEAD,) else logging.INFO
         log.log(level, "peer %s%s: %s -> %s%s", tr.node_id, where, old, new, f" ({how})" if how else "")
         self._event("peer", peer=tr.node_id, old=old, new=new, how=how)
+        if self.training is not None:
+            if tr.new in (State.DEAD, State.LEFT, None):
+                self.training.peer_down(tr.node_id)
+            elif tr.new is State.ALIVE and tr.old in (State.DEAD, State.LEFT):
+                self.training.peer_up(tr.node_id)
 
     def hello_message(self) -> pb.Hello:
         return pb.Hello(node_id=self.node_id, protocol_version=PROTOCOL_VERSION, run_id=self.cfg.run_id,
@@ -360,6 +364,52 @@ class Daemon:
                        metadata=self.auth.sign(method), timeout=self.cfg.leave_timeout)
         except grpc.aio.AioRpcError:
             pass  # best effort: the failure detector covers peers we could not tell
+
+    # --- data plane ---------------------------------------------------------------------------
+    def _on_received(self, rec: Received) -> None:
+        if rec.kind in ("model", "carry"):
+            if self.training is not None:
+                self.training.on_received(rec)
+                return
+            if len(self._early) < self.cfg.train_early_updates:
+                self._early.append(rec)  # the peer's run started before ours; replayed at start
+                return
+        rec.release()
+
+    def _pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
+        if kind == "model" and self.training is not None:
+            return self.training.serve_pull(requester)
+        return None
+
+    async def push_tensor(self, address: str, node: str, data: Outgoing, *, iteration: int, kind: str):
+        method = "/peerd.v1.Peer/PushTensor"
+        return await self.dataplane.push(self._channel(address), node, data, metadata=self.auth.sign(method),
+                                         iteration=iteration, kind=kind)
+
+    async def pull_tensor(self, address: str, node: str, kind: str = "model") -> Received:
+        method = "/peerd.v1.Peer/PullTensor"
+        return await self.dataplane.pull(self._channel(address), node, metadata=self.auth.sign(method), kind=kind)
+
+    async def grant_tokens(self, address: str, n: int, iteration: int) -> None:
+        method = f"/{PEER_SERVICE}/GrantTokens"
+        stub = self._channel(address).unary_unary(method, request_serializer=pb.TokenGrant.SerializeToString,
+                                                  response_deserializer=pb.TokenReply.FromString)
+        await stub(pb.TokenGrant(sender=self.node_id, run_id=self.cfg.run_id, tokens=n, iteration=max(iteration, 0)),
+                   metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
+
+    def on_tokens(self, sender: str, n: int) -> None:
+        if self.training is not None:
+            self.training.on_tokens(sender, n)
+
+    def start_run(self, run) -> None:
+        self.training = run
+        early, self._early = self._early, []
+        for rec in early:
+            run.on_received(rec)
+
+    def end_run(self, run) -> None:
+        if self.training is run:
+            self.training = None
 
     # --- observability ------------------------------------------------------------------------
     def status_message(self) -> cpb.StatusReply:

@@ -103,12 +103,23 @@ class PeerService:
         self.d.on_leave(request.node_id, request.incarnation, request.reason)
         return pb.LeaveReply()
 
+    async def GrantTokens(self, request: pb.TokenGrant, context) -> pb.TokenReply:
+        await self._check_claim(context, request.sender, "GrantTokens")
+        if request.run_id != self.d.cfg.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peerd: tokens for run {request.run_id!r}, this daemon runs {self.d.cfg.run_id!r}")
+        if not 0 < request.tokens <= 1_000_000:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {request.tokens} tokens")
+        self.d.on_tokens(request.sender, request.tokens)
+        return pb.TokenReply()
+
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             "SayHello": unary(self.SayHello, pb.Hello, pb.HelloReply),
             "SendHeartbeat": unary(self.SendHeartbeat, pb.Heartbeat, pb.HeartbeatReply),
             "Ping": unary(self.Ping, pb.PingRequest, pb.PingReply),
             "SayLeave": unary(self.SayLeave, pb.Leave, pb.LeaveReply),
+            "GrantTokens": unary(self.GrantTokens, pb.TokenGrant, pb.TokenReply),
         }
 
 

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16peerd/v1/control.proto\x12\x08peerd.v1\"\x0f\n\rStatusRequest\"\xa5\x01\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x0e\n\x06rtt_ms\x18\x05 \x01(\x01\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x0e\n\x06\x64irect\x18\x08 \x01(\x08\"\xef\x01\n\x0bStatusReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\x12\x15\n\rpeerd_version\x18\x06 \x01(\t\x12\x12\n\nevent_loop\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\x12#\n\x05peers\x18\t \x03(\x0b\x32\x14.peerd.v1.PeerStatus\x12\x10\n\x08\x64\x61ta_dir\x18\n \x01(\t\x12\x0b\n\x03tls\x18\x0b \x01(\x08\"\x0e\n\x0cLinksRequest\"G\n\nLinksReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12(\n\x05links\x18\x02 \x03(\x0b\x32\x19.peerd.v1.LinkMeasurement\"y\n\x0fLinkMeasurement\x12\x10\n\x08measurer\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rbandwidth_bps\x18\x03 \x01(\x01\x12\r\n\x05rtt_s\x18\x04 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x05 \x01(\x01\x12\x0f\n\x07samples\x18\x06 \x01(\r\"9\n\x0bLayoutEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"{\n\rAttachRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x06layout\x18\x02 \x03(\x0b\x32\x15.peerd.v1.LayoutEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"_\n\x0b\x41ttachReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nslot_paths\x18\x03 \x03(\t\x12\x17\n\x0fstart_iteration\x18\x04 \x01(\x04\"R\n\x0ePublishRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x0e\n\x0cPublishReply\"A\n\nMixRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\":\n\x08MixEntry\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"S\n\x08MixReply\x12\x11\n\titeration\x18\x01 \x01(\x04\x12#\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x12.peerd.v1.MixEntry\x12\x0f\n\x07skip_to\x18\x03 \x01(\x04\"\xbd\x01\n\x06Metric\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12*\n\x05\x65xtra\x18\x06 \x03(\x0b\x32\x1b.peerd.v1.Metric.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0b\n\tMetricAck\"\'\n\x11\x44irectivesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xcb\x01\n\tDirective\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.peerd.v1.Directive.Kind\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_SKIP_TO\x10\x01\x12\x0e\n\nKIND_PAUSE\x10\x02\x12\x0f\n\x0bKIND_RESUME\x10\x03\x12\x13\n\x0fKIND_CHECKPOINT\x10\x04\x12\r\n\tKIND_STOP\x10\x05\x32\x9e\x03\n\x07\x43ontrol\x12\x38\n\x06Status\x12\x17.peerd.v1.StatusRequest\x1a\x15.peerd.v1.StatusReply\x12\x35\n\x05Links\x12\x16.peerd.v1.LinksRequest\x1a\x14.peerd.v1.LinksReply\x12\x38\n\x06\x41ttach\x12\x17.peerd.v1.AttachRequest\x1a\x15.peerd.v1.AttachReply\x12;\n\x07Publish\x12\x18.peerd.v1.PublishRequest\x1a\x16.peerd.v1.PublishReply\x12/\n\x03Mix\x12\x14.peerd.v1.MixRequest\x1a\x12.peerd.v1.MixReply\x12\x38\n\rReportMetrics\x12\x10.peerd.v1.Metric\x1a\x13.peerd.v1.MetricAck(\x01\x12@\n\nDirectives\x12\x1b.peerd.v1.DirectivesRequest\x1a\x13.peerd.v1.Directive0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16peerd/v1/control.proto\x12\x08peerd.v1\"\x0f\n\rStatusRequest\"\xa5\x01\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x0e\n\x06rtt_ms\x18\x05 \x01(\x01\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x0e\n\x06\x64irect\x18\x08 \x01(\x08\"\xef\x01\n\x0bStatusReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\x12\x15\n\rpeerd_version\x18\x06 \x01(\t\x12\x12\n\nevent_loop\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\x12#\n\x05peers\x18\t \x03(\x0b\x32\x14.peerd.v1.PeerStatus\x12\x10\n\x08\x64\x61ta_dir\x18\n \x01(\t\x12\x0b\n\x03tls\x18\x0b \x01(\x08\"\x0e\n\x0cLinksRequest\"G\n\nLinksReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12(\n\x05links\x18\x02 \x03(\x0b\x32\x19.peerd.v1.LinkMeasurement\"y\n\x0fLinkMeasurement\x12\x10\n\x08measurer\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rbandwidth_bps\x18\x03 \x01(\x01\x12\r\n\x05rtt_s\x18\x04 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x05 \x01(\x01\x12\x0f\n\x07samples\x18\x06 \x01(\r\"\xb7\x02\n\x0cTrainRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\r\n\x05world\x18\x04 \x01(\r\x12\x12\n\niterations\x18\x05 \x01(\x04\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0f\n\x07non_iid\x18\x07 \x01(\x08\x12\x10\n\x08slowdown\x18\x08 \x01(\x01\x12\x34\n\x07options\x18\t \x03(\x0b\x32#.peerd.v1.TrainRequest.OptionsEntry\x12\x0e\n\x06script\x18\n \x03(\t\x12\x12\n\neval_every\x18\x0b \x01(\r\x12\x16\n\x0ejoin_timeout_s\x18\x0c \x01(\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9d\x02\n\rTrainProgress\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x18\n\x10iterations_per_s\x18\x05 \x01(\x01\x12\x19\n\x11peers_in_last_mix\x18\x06 \x01(\r\x12\x16\n\x0egap_to_fastest\x18\x07 \x01(\x03\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x13\n\x0bmetric_name\x18\t \x01(\t\x12\x0e\n\x06metric\x18\n \x01(\x01\x12\x0c\n\x04rank\x18\x0b \x01(\r\x12\r\n\x05world\x18\x0c \x01(\r\x12\x18\n\x10trainer_restarts\x18\r \x01(\r\x12\x0f\n\x07skipped\x18\x0e \x01(\x04\"9\n\x0bLayoutEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"{\n\rAttachRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x06layout\x18\x02 \x03(\x0b\x32\x15.peerd.v1.LayoutEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"|\n\x0b\x41ttachReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nslot_paths\x18\x03 \x03(\t\x12\x17\n\x0fstart_iteration\x18\x04 \x01(\x04\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\r\n\x05world\x18\x06 \x01(\r\"R\n\x0ePublishRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x0e\n\x0cPublishReply\"A\n\nMixRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\":\n\x08MixEntry\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"S\n\x08MixReply\x12\x11\n\titeration\x18\x01 \x01(\x04\x12#\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x12.peerd.v1.MixEntry\x12\x0f\n\x07skip_to\x18\x03 \x01(\x04\"\xbd\x01\n\x06Metric\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12*\n\x05\x65xtra\x18\x06 \x03(\x0b\x32\x1b.peerd.v1.Metric.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0b\n\tMetricAck\"\'\n\x11\x44irectivesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xcb\x01\n\tDirective\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.peerd.v1.Directive.Kind\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_SKIP_TO\x10\x01\x12\x0e\n\nKIND_PAUSE\x10\x02\x12\x0f\n\x0bKIND_RESUME\x10\x03\x12\x13\n\x0fKIND_CHECKPOINT\x10\x04\x12\r\n\tKIND_STOP\x10\x05\x32\xda\x03\n\x07\x43ontrol\x12\x38\n\x06Status\x12\x17.peerd.v1.StatusRequest\x1a\x15.peerd.v1.StatusReply\x12\x35\n\x05Links\x12\x16.peerd.v1.LinksRequest\x1a\x14.peerd.v1.LinksReply\x12:\n\x05Train\x12\x16.peerd.v1.TrainRequest\x1a\x17.peerd.v1.TrainProgress0\x01\x12\x38\n\x06\x41ttach\x12\x17.peerd.v1.AttachRequest\x1a\x15.peerd.v1.AttachReply\x12;\n\x07Publish\x12\x18.peerd.v1.PublishRequest\x1a\x16.peerd.v1.PublishReply\x12/\n\x03Mix\x12\x14.peerd.v1.MixRequest\x1a\x12.peerd.v1.MixReply\x12\x38\n\rReportMetrics\x12\x10.peerd.v1.Metric\x1a\x13.peerd.v1.MetricAck(\x01\x12@\n\nDirectives\x12\x1b.peerd.v1.DirectivesRequest\x1a\x13.peerd.v1.Directive0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peerd.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRAINREQUEST_OPTIONSENTRY']._loaded_options = None
+  _globals['_TRAINREQUEST_OPTIONSENTRY']._serialized_options = b'8\001'
   _globals['_METRIC_EXTRAENTRY']._loaded_options = None
   _globals['_METRIC_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_STATUSREQUEST']._serialized_start=36
@@ -45,34 +47,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LINKSREPLY']._serialized_end=550
   _globals['_LINKMEASUREMENT']._serialized_start=552
   _globals['_LINKMEASUREMENT']._serialized_end=673
-  _globals['_LAYOUTENTRY']._serialized_start=675
-  _globals['_LAYOUTENTRY']._serialized_end=732
-  _globals['_ATTACHREQUEST']._serialized_start=734
-  _globals['_ATTACHREQUEST']._serialized_end=857
-  _globals['_ATTACHREPLY']._serialized_start=859
-  _globals['_ATTACHREPLY']._serialized_end=954
-  _globals['_PUBLISHREQUEST']._serialized_start=956
-  _globals['_PUBLISHREQUEST']._serialized_end=1038
-  _globals['_PUBLISHREPLY']._serialized_start=1040
-  _globals['_PUBLISHREPLY']._serialized_end=1054
-  _globals['_MIXREQUEST']._serialized_start=1056
-  _globals['_MIXREQUEST']._serialized_end=1121
-  _globals['_MIXENTRY']._serialized_start=1123
-  _globals['_MIXENTRY']._serialized_end=1181
-  _globals['_MIXREPLY']._serialized_start=1183
-  _globals['_MIXREPLY']._serialized_end=1266
-  _globals['_METRIC']._serialized_start=1269
-  _globals['_METRIC']._serialized_end=1458
-  _globals['_METRIC_EXTRAENTRY']._serialized_start=1414
-  _globals['_METRIC_EXTRAENTRY']._serialized_end=1458
-  _globals['_METRICACK']._serialized_start=1460
-  _globals['_METRICACK']._serialized_end=1471
-  _globals['_DIRECTIVESREQUEST']._serialized_start=1473
-  _globals['_DIRECTIVESREQUEST']._serialized_end=1512
-  _globals['_DIRECTIVE']._serialized_start=1515
-  _globals['_DIRECTIVE']._serialized_end=1718
-  _globals['_DIRECTIVE_KIND']._serialized_start=1603
-  _globals['_DIRECTIVE_KIND']._serialized_end=1718
-  _globals['_CONTROL']._serialized_start=1721
-  _globals['_CONTROL']._serialized_end=2135
+  _globals['_TRAINREQUEST']._serialized_start=676
+  _globals['_TRAINREQUEST']._serialized_end=987
+  _globals['_TRAINREQUEST_OPTIONSENTRY']._serialized_start=941
+  _globals['_TRAINREQUEST_OPTIONSENTRY']._serialized_end=987
+  _globals['_TRAINPROGRESS']._serialized_start=990
+  _globals['_TRAINPROGRESS']._serialized_end=1275
+  _globals['_LAYOUTENTRY']._serialized_start=1277
+  _globals['_LAYOUTENTRY']._serialized_end=1334
+  _globals['_ATTACHREQUEST']._serialized_start=1336
+  _globals['_ATTACHREQUEST']._serialized_end=1459
+  _globals['_ATTACHREPLY']._serialized_start=1461
+  _globals['_ATTACHREPLY']._serialized_end=1585
+  _globals['_PUBLISHREQUEST']._serialized_start=1587
+  _globals['_PUBLISHREQUEST']._serialized_end=1669
+  _globals['_PUBLISHREPLY']._serialized_start=1671
+  _globals['_PUBLISHREPLY']._serialized_end=1685
+  _globals['_MIXREQUEST']._serialized_start=1687
+  _globals['_MIXREQUEST']._serialized_end=1752
+  _globals['_MIXENTRY']._serialized_start=1754
+  _globals['_MIXENTRY']._serialized_end=1812
+  _globals['_MIXREPLY']._serialized_start=1814
+  _globals['_MIXREPLY']._serialized_end=1897
+  _globals['_METRIC']._serialized_start=1900
+  _globals['_METRIC']._serialized_end=2089
+  _globals['_METRIC_EXTRAENTRY']._serialized_start=2045
+  _globals['_METRIC_EXTRAENTRY']._serialized_end=2089
+  _globals['_METRICACK']._serialized_start=2091
+  _globals['_METRICACK']._serialized_end=2102
+  _globals['_DIRECTIVESREQUEST']._serialized_start=2104
+  _globals['_DIRECTIVESREQUEST']._serialized_end=2143
+  _globals['_DIRECTIVE']._serialized_start=2146
+  _globals['_DIRECTIVE']._serialized_end=2349
+  _globals['_DIRECTIVE_KIND']._serialized_start=2234
+  _globals['_DIRECTIVE_KIND']._serialized_end=2349
+  _globals['_CONTROL']._serialized_start=2352
+  _globals['_CONTROL']._serialized_end=2826
 # @@protoc_insertion_point(module_scope)

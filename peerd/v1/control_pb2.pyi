@@ -85,6 +85,73 @@ class LinkMeasurement(_message.Message):
     samples: int
     def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
+class TrainRequest(_message.Message):
+    __slots__ = ("task", "algorithm", "topology", "world", "iterations", "seed", "non_iid", "slowdown", "options", "script", "eval_every", "join_timeout_s")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NON_IID_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    algorithm: str
+    topology: str
+    world: int
+    iterations: int
+    seed: int
+    non_iid: bool
+    slowdown: float
+    options: _containers.ScalarMap[str, str]
+    script: _containers.RepeatedScalarFieldContainer[str]
+    eval_every: int
+    join_timeout_s: float
+    def __init__(self, task: _Optional[str] = ..., algorithm: _Optional[str] = ..., topology: _Optional[str] = ..., world: _Optional[int] = ..., iterations: _Optional[int] = ..., seed: _Optional[int] = ..., non_iid: _Optional[bool] = ..., slowdown: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., script: _Optional[_Iterable[str]] = ..., eval_every: _Optional[int] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
+
+class TrainProgress(_message.Message):
+    __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEERS_IN_LAST_MIX_FIELD_NUMBER: _ClassVar[int]
+    GAP_TO_FASTEST_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    message: str
+    iteration: int
+    loss: float
+    iterations_per_s: float
+    peers_in_last_mix: int
+    gap_to_fastest: int
+    elapsed_s: float
+    metric_name: str
+    metric: float
+    rank: int
+    world: int
+    trainer_restarts: int
+    skipped: int
+    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., iterations_per_s: _Optional[float] = ..., peers_in_last_mix: _Optional[int] = ..., gap_to_fastest: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., metric_name: _Optional[str] = ..., metric: _Optional[float] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., trainer_restarts: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+
 class LayoutEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -110,16 +177,20 @@ class AttachRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[LayoutEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., optimizer: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("node_id", "session_id", "slot_paths", "start_iteration")
+    __slots__ = ("node_id", "session_id", "slot_paths", "start_iteration", "rank", "world")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
     START_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     slot_paths: _containers.RepeatedScalarFieldContainer[str]
     start_iteration: int
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ...) -> None: ...
+    rank: int
+    world: int
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("session_id", "iteration", "slot", "seq")

@@ -44,6 +44,11 @@ class ControlStub:
                 request_serializer=peerd_dot_v1_dot_control__pb2.LinksRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_control__pb2.LinksReply.FromString,
                 _registered_method=True)
+        self.Train = channel.unary_stream(
+                '/peerd.v1.Control/Train',
+                request_serializer=peerd_dot_v1_dot_control__pb2.TrainRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.TrainProgress.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/peerd.v1.Control/Attach',
                 request_serializer=peerd_dot_v1_dot_control__pb2.AttachRequest.SerializeToString,
@@ -81,6 +86,12 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Links(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Train(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +139,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Links,
                     request_deserializer=peerd_dot_v1_dot_control__pb2.LinksRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_control__pb2.LinksReply.SerializeToString,
+            ),
+            'Train': grpc.unary_stream_rpc_method_handler(
+                    servicer.Train,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.TrainRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.TrainProgress.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -209,6 +225,33 @@ class Control:
             '/peerd.v1.Control/Links',
             peerd_dot_v1_dot_control__pb2.LinksRequest.SerializeToString,
             peerd_dot_v1_dot_control__pb2.LinksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Train(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/peerd.v1.Control/Train',
+            peerd_dot_v1_dot_control__pb2.TrainRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.TrainProgress.FromString,
             options,
             channel_credentials,
             insecure,

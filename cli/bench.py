@@ -1,0 +1,278 @@
+"""`peerd bench`: measurements of this machine and of peerd's own paths.
+
+`peerd bench transport` compares, in one run and as ratios, (a) raw TCP between two processes
+(the ceiling), (b) a peerd push of the same bytes between two data-plane processes on loopback,
+and, as root, (c) both across two fresh network namespaces joined by a veth pair whose sending
+side is shaped by htb to each of --rates. Throughput is bytes over the sender's wall time for one
+transfer (first byte to the receiver's ack; peerd's includes its checksum pass), median of
+--reps after one warm-up; raw and peerd transfers alternate, and the ratio is the median of the
+per-pair ratios, so background load on a shared machine hits both alike. The receiver's peak extra memory is its VmHWM after the transfers minus
+its VmRSS before them (the kernel's high-water mark is reset through /proc/self/clear_refs).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import secrets
+import statistics
+import subprocess
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import click
+
+from peerd.net import benchnode
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+REPLY_TIMEOUT = 900.0   # one command (1 GB over a shaped link included) must answer within this
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise click.BadParameter(f"size {text!r}: want e.g. 1MB, 25MB, 1GB, 4MiB")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # float32 test data: keep sizes a multiple of 4 bytes (1 MB, 100 MB and 1 GB already are)
+    return n
+
+
+def parse_rate(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)bit\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"rate {text!r}: want e.g. 100mbit, 1gbit")
+    return int(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)]
+
+
+def human(n: float) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}B"
+
+
+class Peer:
+    """A benchmark peer process and its JSON-lines conversation (every wait bounded)."""
+
+    def __init__(self, node_id: str, host: str, netns: str | None = None, chunk_bytes: int | None = None):
+        self.id = node_id
+        self.proc = benchnode.spawn(node_id, host, netns, chunk_bytes)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.address = self._read(60.0)["address"]
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise click.ClickException(f"bench peer {self.id} did not answer within {timeout}s") from None
+        if line is None:
+            raise click.ClickException(f"bench peer {self.id} exited (code {self.proc.wait(5)})")
+        out = json.loads(line)
+        if "error" in out:
+            raise click.ClickException(f"bench peer {self.id}: {out['error']}")
+        return out
+
+    def ask(self, timeout: float = REPLY_TIMEOUT, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.stdin.write('{"op": "quit"}\n')  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@dataclass
+class Record:
+    path: str
+    size: int
+    raw_tcp_bytes_per_s: float
+    peerd_bytes_per_s: float
+    ratio: float                  # median of per-pair peerd/raw throughput ratios
+    reps: int
+    raw_tcp_seconds: list[float] = field(default_factory=list)
+    peerd_seconds: list[float] = field(default_factory=list)
+    rx_peak_extra_bytes: int | None = None
+    shaped_bits_per_s: int | None = None
+    raw_tcp_pct_of_shaped: float | None = None
+    peerd_pct_of_shaped: float | None = None
+
+
+def measure(path: str, sender: Peer, receiver: Peer, host: str, size: int, reps: int, warmup: int,
+            shaped: int | None = None, timeout: float = REPLY_TIMEOUT) -> Record:
+    """Alternate raw TCP and peerd transfers so both see the same background load."""
+    n = reps + warmup
+    port = receiver.ask(op="raw_listen", nbytes=size, reps=n)["port"]
+    raw_to = f"{host}:{port}"
+    base = receiver.ask(op="mem_reset")["rss"]   # after the raw receiver's buffer exists
+    raw: list[float] = []
+    ours: list[float] = []
+    for _ in range(n):
+        raw += sender.ask(op="raw_send", to=raw_to, nbytes=size, timeout=timeout)["seconds"]
+        ours += sender.ask(op="push", to=receiver.address, peer=receiver.id, nbytes=size, reps=1,
+                           timeout=timeout)["seconds"]
+    sender.ask(op="raw_close", to=raw_to)
+    peak = receiver.ask(op="mem")["peak"] - base
+    raw, ours = raw[warmup:], ours[warmup:]
+    raw_bps = size / statistics.median(raw)
+    ours_bps = size / statistics.median(ours)
+    # the ratio is the median over adjacent (raw, peerd) pairs: robust to load that drifts
+    ratio = statistics.median(r / o for r, o in zip(raw, ours))
+    rec = Record(path, size, raw_bps, ours_bps, ratio, reps, raw, ours, peak)
+    if shaped:
+        rec.shaped_bits_per_s = shaped
+        rec.raw_tcp_pct_of_shaped = 100 * raw_bps * 8 / shaped
+        rec.peerd_pct_of_shaped = 100 * ours_bps * 8 / shaped
+    return rec
+
+
+def _sh(*args: str) -> None:
+    r = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        raise click.ClickException(f"{' '.join(args)}: {r.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def lab_link() -> Iterator[tuple[str, str, str, str, str]]:
+    """Two fresh namespaces joined by a veth pair; yields (ns_a, ns_b, ip_a, ip_b, dev_a).
+
+    Unique names per run, private /30 addresses, no default route; deleted in `finally` (deleting
+    a namespace removes its veth end, the peer end and every qdisc with them)."""
+    tag = secrets.token_hex(2)
+    ns_a, ns_b = f"pdbench-{tag}-a", f"pdbench-{tag}-b"
+    dev_a, dev_b = f"pdb{tag}a", f"pdb{tag}b"
+    octet = 1 + secrets.randbelow(250)
+    ip_a, ip_b = f"10.254.{octet}.1", f"10.254.{octet}.2"
+    made: list[str] = []
+    try:
+        for ns in (ns_a, ns_b):
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+        _sh("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+        for ns, dev, ip in ((ns_a, dev_a, ip_a), (ns_b, dev_b, ip_b)):
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/30", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield ns_a, ns_b, ip_a, ip_b, dev_a
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def shape(ns: str, dev: str, bits_per_s: int) -> None:
+    """htb at `bits_per_s` on dev's egress. The leaf queue holds ~20 ms and at least 200 kB
+    (a queue below one 64 KiB GSO packet stalls TCP, engineering.md §5)."""
+    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+    _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+    _sh("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+        "rate", f"{bits_per_s}bit", "ceil", f"{bits_per_s}bit")
+    limit = max(200_000, bits_per_s // 8 // 50)
+    _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "bfifo", "limit", str(limit))
+
+
+def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: list[int], lab: bool,
+                  chunk_bytes: int | None, log: Any = None, shaped_reps: int = 1) -> list[Record]:
+    out: list[Record] = []
+    say = log or (lambda s: None)
+    peers: list[Peer] = []
+    try:
+        a = Peer("bench-a", "127.0.0.1", chunk_bytes=chunk_bytes)
+        peers.append(a)
+        b = Peer("bench-b", "127.0.0.1", chunk_bytes=chunk_bytes)
+        peers.append(b)
+        for size in sizes:
+            say(f"loopback {human(size)} ...")
+            out.append(measure("loopback", a, b, "127.0.0.1", size, reps, warmup=1))
+    finally:
+        for p in peers:
+            p.close()
+    if not lab:
+        return out
+    with lab_link() as (ns_a, ns_b, ip_a, ip_b, dev_a):
+        peers = []
+        try:
+            a = Peer("bench-a", ip_a, ns_a, chunk_bytes)
+            peers.append(a)
+            b = Peer("bench-b", ip_b, ns_b, chunk_bytes)
+            peers.append(b)
+            for rate in rates:
+                shape(ns_a, dev_a, rate)
+                measure(f"warmup", a, b, ip_b, 1 << 20, 1, warmup=0)  # connections up, slow start done
+                for size in shaped_sizes:
+                    say(f"shaped {rate // 10**6} Mbit {human(size)} ...")
+                    bound = 120 + 3 * size * 8 / rate
+                    out.append(measure(f"shaped-{rate // 10**6}mbit", a, b, ip_b, size, shaped_reps,
+                                       warmup=0, shaped=rate, timeout=bound))
+        finally:
+            for p in peers:
+                p.close()
+    return out
+
+
+def table(records: list[Record]) -> str:
+    head = f"{'path':<16}{'size':>8}{'raw TCP MB/s':>14}{'peerd MB/s':>12}{'ratio':>8}{'% shaped raw/peerd':>20}{'rx peak':>10}"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        pct = (f"{r.raw_tcp_pct_of_shaped:.1f}/{r.peerd_pct_of_shaped:.1f}"
+               if r.shaped_bits_per_s else "")
+        peak = f"{r.rx_peak_extra_bytes / r.size:.2f}x" if r.rx_peak_extra_bytes is not None and r.size else ""
+        lines.append(f"{r.path:<16}{human(r.size):>8}{r.raw_tcp_bytes_per_s / 1e6:>14.0f}"
+                     f"{r.peerd_bytes_per_s / 1e6:>12.0f}{r.ratio:>8.2f}{pct:>20}{peak:>10}")
+    return "\n".join(lines)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of this machine and of peerd's own paths."""
+
+
+@bench.command("transport")
+@click.option("--sizes", default="1MB,25MB,100MB,1GB", show_default=True,
+              help="comma-separated buffer sizes for the loopback comparison")
+@click.option("--reps", default=5, show_default=True, help="timed transfers per size (after one warm-up)")
+@click.option("--lab/--no-lab", default=None,
+              help="also measure across two shaped namespaces (default: when run as root)")
+@click.option("--rates", default="100mbit,1gbit", show_default=True, help="shaped link rates")
+@click.option("--shaped-sizes", default="25MB,100MB", show_default=True, help="buffer sizes over shaped links")
+@click.option("--shaped-reps", default=3, show_default=True, help="timed transfers per size over shaped links")
+@click.option("--chunk-bytes", type=int, default=None, help="override dataplane_chunk_bytes")
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per (path, size)")
+def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes: str, shaped_reps: int,
+              chunk_bytes: int | None, as_json: bool) -> None:
+    """Raw TCP vs peerd push, on loopback and (as root) over shaped lab links."""
+    if lab is None:
+        lab = os.geteuid() == 0
+    elif lab and os.geteuid() != 0:
+        raise click.ClickException("--lab needs root (network namespaces and tc)")
+    if reps < 1 or shaped_reps < 1:
+        raise click.BadParameter("--reps and --shaped-reps must be at least 1")
+    records = run_transport([parse_size(s) for s in sizes.split(",") if s.strip()], reps,
+                            [parse_size(s) for s in shaped_sizes.split(",") if s.strip()],
+                            [parse_rate(r) for r in rates.split(",") if r.strip()], lab, chunk_bytes,
+                            log=None if as_json else lambda s: click.echo(s, err=True), shaped_reps=shaped_reps)
+    if as_json:
+        for r in records:
+            click.echo(json.dumps(asdict(r)))
+    else:
+        click.echo(table(records))
+
+
+if __name__ == "__main__":  # `python -m cli.bench transport ...` (the same as `peerd bench transport`)
+    bench()

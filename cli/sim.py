@@ -1,0 +1,118 @@
+"""`peerd sim`: run sync policies through the discrete-event simulator and print what they achieve.
+
+    peerd sim --scenario straggler|random-slowdown|two-sites [--workers N] [--json]
+    peerd sim -a hop-backup-skip -a d-psgd --workers 64 --straggler 0:4 --iterations 300
+    peerd sim -a d-psgd --workers 10000 --timing-only --iterations 20
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import click
+import numpy as np
+
+from peerd.config import Config
+from peerd.sim.engine import SimSpec
+from peerd.sim.scenarios import SCENARIOS, claims, run, run_scenario, scenario
+from peerd.sync import registry
+
+
+def _pairs(values: tuple[str, ...], what: str) -> dict[int, float]:
+    out = {}
+    for v in values:
+        a, sep, b = v.partition(":")
+        try:
+            if not sep:
+                raise ValueError(v)
+            out[int(a)] = float(b)
+        except ValueError:
+            raise click.BadParameter(f"expected WORKER:{what}, got {v!r}") from None
+    return out
+
+
+def _fmt(x: object, spec: str) -> str:
+    width = spec.split(".")[0]
+    return format("-", f">{width}") if x is None else format(x, spec)
+
+
+def _table(records: list[dict]) -> str:
+    head = f"{'algorithm':20s} {'time_to_target':>14s} {'iters@target':>12s} {'MB@target':>10s} " \
+           f"{'final_loss':>10s} {'idle':>6s} {'consensus':>9s} {'wall_s':>7s}"
+    rows = [head, "-" * len(head)]
+    for r in records:
+        mb = None if r["bytes_at_target"] is None else r["bytes_at_target"] / 1e6
+        rows.append(f"{r['algorithm']:20s} {_fmt(r['time_to_target'], '14.3f')} "
+                    f"{_fmt(r['iterations_at_target'], '12.1f')} {_fmt(mb, '10.2f')} "
+                    f"{_fmt(r['final_loss'], '10.2e')} {r['mean_idle_fraction']:6.2f} "
+                    f"{_fmt(r['consensus_distance'], '9.3f')} {r['wall_s']:7.2f}")
+    return "\n".join(rows)
+
+
+@click.command("sim")
+@click.option("--scenario", "scen", type=click.Choice(SCENARIOS), help="a named setting of the papers; runs every algorithm")
+@click.option("--workers", "-n", type=int, default=8, show_default=True)
+@click.option("--algorithm", "-a", "algos", multiple=True, type=click.Choice(list(registry.ALGORITHMS)),
+              help="algorithm to run (repeatable; default: all for a scenario, else Config.sync_algorithm)")
+@click.option("--topology", default=None, help="ring, torus, complete, exp, exp-directed, aer (default: Config.sync_topology)")
+@click.option("--weighting", type=click.Choice(["uniform", "mh"]), default="uniform", show_default=True)
+@click.option("--params", type=int, default=1000, show_default=True, help="model size (parameters)")
+@click.option("--iterations", type=int, default=200, show_default=True, help="iterations per worker")
+@click.option("--compute", type=float, default=0.1, show_default=True, help="seconds per gradient")
+@click.option("--straggler", multiple=True, help="WORKER:FACTOR, a worker always FACTOR x slower (repeatable)")
+@click.option("--p-slow", type=float, default=0.0, show_default=True, help="random slowdown: probability per iteration")
+@click.option("--slow-factor", type=float, default=4.0, show_default=True, help="random slowdown: factor")
+@click.option("--bandwidth", type=float, default=1e9, show_default=True, help="bytes/s per link")
+@click.option("--latency", type=float, default=1e-4, show_default=True, help="seconds per link")
+@click.option("--sites", type=int, default=1, show_default=True, help="split workers into this many sites")
+@click.option("--inter-site-slowdown", type=float, default=10.0, show_default=True,
+              help="inter-site links are this many times slower")
+@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option("--target", type=float, default=1e-3, show_default=True, help="relative suboptimality to reach")
+@click.option("--hetero", type=float, default=0.1, show_default=True, help="non-i.i.d.-ness of the shards")
+@click.option("--noise", type=float, default=0.01, show_default=True, help="gradient noise")
+@click.option("--crash", multiple=True, help="WORKER:TIME, a worker crashes (repeatable)")
+@click.option("--timing-only", is_flag=True, help="protocol only, no parameters (very large N)")
+@click.option("--no-stop", is_flag=True, help="run all iterations even after the target is reached")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per algorithm")
+def sim(scen, workers, algos, topology, weighting, params, iterations, compute, straggler, p_slow,
+        slow_factor, bandwidth, latency, sites, inter_site_slowdown, lr, target, hetero, noise, crash,
+        timing_only, no_stop, seed, as_json) -> None:
+    """Simulate N workers running sync policies; report time to target, iterations, idle, bytes."""
+    cfg = Config()
+    try:
+        if scen:
+            records = run_scenario(scen, workers, seed, list(algos) or None)
+            checks = claims(scen, records)
+        else:
+            if sites < 1 or workers % sites:
+                raise click.BadParameter(f"--sites {sites} must divide --workers {workers}")
+            bw: object = bandwidth
+            if sites > 1:
+                site = np.arange(workers) // (workers // sites)
+                bw = np.where(site[:, None] == site[None, :], bandwidth, bandwidth / inter_site_slowdown)
+            spec = SimSpec(n=workers, params=params, iterations=iterations, compute=compute,
+                           factors=_pairs(straggler, "FACTOR"), p_slow=p_slow, slow_factor=slow_factor,
+                           bandwidth=bw, latency=latency, lr=lr, target=target, hetero=hetero,
+                           noise=noise, crash=_pairs(crash, "TIME"), timing_only=timing_only,
+                           stop_at_target=not no_stop and not timing_only, seed=seed)
+            records = []
+            for a in algos or (cfg.sync_algorithm,):
+                r = run(a, spec, topology or cfg.sync_topology, weighting=weighting,
+                        **registry.options(cfg, a))
+                records.append(r.record())
+            checks = []
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        for r in records:
+            click.echo(json.dumps(r))
+        for c in checks:
+            click.echo(json.dumps(c))
+        return
+    click.echo(_table(records))
+    for c in checks:
+        click.echo(f"{'holds ' if c['holds'] else 'FAILS '} {c['claim']}: ratio {_fmt(c['ratio'], '.2f')}")
+    sys.stdout.flush()

@@ -1,0 +1,781 @@
+"""Data plane: push and pull one flat tensor buffer between daemons over gRPC.
+
+`DataPlane` serves PushTensor and PullTensor as raw (serializer-less) handlers that the daemon
+merges into its one `peerd.v1.Peer` generic handler, and offers `push()` / `pull()` as clients.
+
+Design choices (measured, see shared/research/engineering.md §1-§3):
+
+- Raw bytes path: gRPC hands us `bytes`; tensorwire decodes TensorFrame by hand, so a chunk costs
+  one copy on each side beyond gRPC's own (tensor -> frame, frame -> destination). Generated
+  protobuf clients interoperate (tests prove it).
+- Receive buffers come from a pool of pre-touched tensors keyed by size: first-touch page faults
+  cost 8x a memcpy here. A delivered `Received` owns its buffer until `release()`.
+- Memory is bounded by a byte budget per peer and in total, reserved when a header is accepted and
+  returned when the daemon releases the buffer; a header that can never fit is refused at once,
+  one that must wait for others waits at most `dataplane_admit_timeout`.
+- Every wait is bounded: a stream that sends nothing for `dataplane_stall_timeout` is aborted on
+  either side; a client's whole call has a deadline derived from `dataplane_min_rate`.
+- The event loop never runs a whole-buffer pass: checksums of the full buffer, casts and first
+  allocations go to threads (zlib and torch release the GIL); per-chunk work is ~0.1 ms.
+- Every refusal raises/returns a `TransferError` with a reason, logs one line at the receiver and
+  counts in `metrics()`; nothing refused reaches the daemon's callback.
+
+Use from the daemon:
+
+    dp = DataPlane(cfg, node_id, run_id, on_received=queue_or_callback, source=snapshot_for)
+    handlers = {**control_handlers, **dp.method_handlers()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    channel = grpc.aio.insecure_channel(addr, options=grpc_options(cfg))   # same for the server
+    await dp.push(channel, peer_id, Outgoing.from_buffer(slot, layout), metadata=auth(),
+                  iteration=k)                                            # -> PushResult
+    rec = await dp.pull(channel, peer_id, metadata=auth(), min_iteration=k)  # -> Received
+    ... rec.tensors() / rec.buffer ...; rec.release()                     # from the event loop
+    dp.set_layout("model", layout)    # refuse model transfers of any other dtypes/shapes
+    dp.close()                        # at shutdown
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import grpc
+import torch
+
+from peerd.config import Config
+from peerd.net import tensorwire as tw
+from peerd.v1 import peer_pb2 as pb
+
+log = logging.getLogger("peerd.dataplane")
+
+SERVICE = "peerd.v1.Peer"
+PUSH_METHOD = f"/{SERVICE}/PushTensor"
+PULL_METHOD = f"/{SERVICE}/PullTensor"
+AUTH_KEY = "x-peerd-node"      # set by the daemon's auth interceptor to the verified node id
+KINDS = frozenset({"model", "probe", "state"})
+CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
+CHECKSUMS = frozenset({"crc32", "none"})
+
+
+def grpc_options(config: Config) -> list[tuple[str, Any]]:
+    """Channel and server options for a daemon that carries the data plane.
+
+    Message limits on both ends fit one chunk frame or header (the default 4 MiB receive limit
+    would turn bigger frames into a misleading INTERNAL error). BDP probing stays on: without it
+    a 50 ms RTT link ran at 90 instead of 380 Mbit/s. Keepalive detects dead peers that mDNS
+    never forgets. Pending-request limits are raised so bursts queue instead of being cancelled.
+    """
+    frame = max(config.dataplane_chunk_bytes, config.dataplane_max_header_bytes) + 64
+    limit = max(frame, config.max_control_message_bytes)
+    ka_ms = int(config.keepalive_interval * 1000)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.http2.bdp_probe", 1),
+        ("grpc.keepalive_time_ms", ka_ms),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # the server must tolerate the clients' ping rate, or it answers with GOAWAY too_many_pings
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1000, ka_ms // 2)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ka_ms),
+        ("grpc.server.max_pending_requests", 10_000),
+        ("grpc.server.max_pending_requests_hard_limit", 20_000),
+    ]
+
+
+# ---- errors, events, sources -----------------------------------------------------------------
+
+class TransferError(Exception):
+    """A refused or failed transfer. `reason` is a short metric label, `code` the gRPC status."""
+
+    def __init__(self, reason: str, details: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(f"{reason}: {details}")
+        self.reason = reason
+        self.details = details
+        self.code = code
+
+
+@dataclass
+class Received:
+    """One complete, verified transfer, handed to the daemon. Call `release()` when done."""
+    sender: str
+    run_id: str
+    iteration: int
+    kind: str
+    transfer_id: int
+    layout: tw.Layout
+    buffer: torch.Tensor          # flat uint8, layout.nbytes long, owned until release()
+    nbytes: int
+    wire_bytes: int
+    seconds: float                # header to last byte
+    compression: int
+    compression_error_bound: float  # relative bound of the cast (tw.ROUNDING_BOUND; 0 uncompressed)
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.layout.views(self.buffer)
+
+    def release(self) -> None:
+        if self._release is not None:
+            rel, self._release = self._release, None
+            rel()
+
+    def __enter__(self) -> "Received":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class Outgoing:
+    """Bytes to send: a layout and the memoryviews that hold it, in order (no copy made).
+
+    The bytes must not change while an Outgoing is in use: its crc32 is computed on the first
+    push and reused by later ones (a snapshot pushed to k peers is checksummed once)."""
+    layout: tw.Layout
+    pieces: list[memoryview]
+    keep: tuple = ()              # owners of the memory behind `pieces`
+    checksum: int | None = None   # crc32 of the bytes, filled in by the first push
+    _pending: Any = field(default=None, repr=False)   # the first push's checksum in progress
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> "Outgoing":
+        tensors = [t.detach() for t in tensors]
+        cpu = [t.cpu().contiguous() for t in tensors]
+        return cls(tw.Layout.of(cpu, names), [tw.byte_view(t) for t in cpu], tuple(cpu))
+
+    @classmethod
+    def from_buffer(cls, buf: torch.Tensor, layout: tw.Layout) -> "Outgoing":
+        """A flat uint8 buffer (e.g. a shared-memory slot) holding `layout`."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != layout.nbytes:
+            raise ValueError(f"buffer: want flat uint8 of {layout.nbytes} bytes, got {buf.dtype} {tuple(buf.shape)}")
+        return cls(layout, [tw.byte_view(buf)], (buf,))
+
+
+@dataclass
+class Snapshot:
+    """What a pull source serves: parameters of one iteration. `done` runs after the stream."""
+    iteration: int
+    data: Outgoing
+    checksum: int | None = None   # crc32 of the uncompressed bytes when the source knows it
+    done: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    transfer_id: int
+    nbytes: int
+    wire_bytes: int
+    seconds: float                # sender's time, checksum and cast included
+    receiver_seconds: float
+    cast_error: tw.CastError | None
+
+
+# source(requester, kind, min_iteration) -> Snapshot | None, sync or async: what a pull serves
+Source = Callable[[str, str, int], "Snapshot | None | Awaitable[Snapshot | None]"]
+
+
+# ---- memory: pool and budget -----------------------------------------------------------------
+
+class BufferPool:
+    """Pre-touched flat uint8 tensors, reused by exact size; idle bytes are bounded."""
+
+    def __init__(self, max_idle_bytes: int):
+        self.max_idle = max_idle_bytes
+        self.idle: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()
+        self.idle_bytes = 0
+        self.allocated = 0       # fresh allocations, for metrics and tests
+
+    async def get(self, nbytes: int) -> torch.Tensor:
+        free = self.idle.get(nbytes)
+        if free:
+            buf = free.pop()
+            self.idle_bytes -= nbytes
+            if not free:
+                del self.idle[nbytes]
+            return buf
+        self.allocated += 1
+        if nbytes < 1 << 20:
+            return torch.zeros(nbytes, dtype=torch.uint8)
+        # touching fresh pages costs ~0.6 s per GB here: keep it off the event loop
+        return await asyncio.to_thread(torch.zeros, nbytes, dtype=torch.uint8)
+
+    def put(self, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        if n < 4096 or n > self.max_idle:  # tiny buffers are cheap to make; keep the lists short
+            return
+        while self.idle_bytes + n > self.max_idle and self.idle:
+            size, bufs = next(iter(self.idle.items()))  # drop the least recently used size first
+            bufs.pop()
+            self.idle_bytes -= size
+            if not bufs:
+                del self.idle[size]
+        self.idle.setdefault(n, []).append(buf)
+        self.idle.move_to_end(n)
+        self.idle_bytes += n
+
+
+class Budget:
+    """Receive bytes held per peer and in total; reservations wait a bounded time."""
+
+    def __init__(self, per_peer: int, total: int):
+        self.per_peer = per_peer
+        self.total = total
+        self.used: collections.Counter[str] = collections.Counter()
+        self.used_total = 0
+        self.waiting = 0
+        self._changed = asyncio.Condition()
+
+    def _fits(self, peer: str, n: int) -> bool:
+        return self.used[peer] + n <= self.per_peer and self.used_total + n <= self.total
+
+    async def reserve(self, peer: str, n: int, timeout: float) -> None:
+        if n > self.per_peer or n > self.total:
+            raise TransferError("too_large", f"transfer needs {n} bytes, limit is "
+                                f"{min(self.per_peer, self.total)} per peer/in total",
+                                grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if not self._fits(peer, n):
+            self.waiting += 1
+            try:
+                async with asyncio.timeout(timeout), self._changed:
+                    await self._changed.wait_for(lambda: self._fits(peer, n))
+            except TimeoutError:
+                raise TransferError("over_budget", f"{n} bytes do not fit the receive budget "
+                                    f"(peer holds {self.used[peer]}, all peers {self.used_total}) "
+                                    f"within {timeout}s", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+            finally:
+                self.waiting -= 1
+        self.used[peer] += n
+        self.used_total += n
+
+    def release(self, peer: str, n: int) -> None:
+        self.used[peer] -= n
+        self.used_total -= n
+        if self.used[peer] <= 0:
+            del self.used[peer]
+        if self.waiting:  # wake transfers waiting for room
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+# ---- the data plane --------------------------------------------------------------------------
+
+class DataPlane:
+    """Server handlers and client calls for tensor transfers of one node in one run."""
+
+    def __init__(self, config: Config, node_id: str, run_id: str,
+                 on_received: asyncio.Queue[Received] | Callable[[Received], Awaitable[None] | None],
+                 source: Source | None = None):
+        """`on_received` gets each verified transfer (a Queue is awaited at most
+        `dataplane_deliver_timeout`); `source` answers pulls (None: every pull is NOT_FOUND)."""
+        self.cfg = config
+        self.node_id = node_id
+        self.run_id = run_id
+        self.on_received = on_received
+        self.source = source
+        self.layouts: dict[str, tw.Layout] = {}
+        self.pool = BufferPool(config.dataplane_pool_bytes)
+        self._budget: Budget | None = None
+        self._client_sems: dict[str, asyncio.Semaphore] = {}
+        self._server_active: collections.Counter[str] = collections.Counter()
+        self._ids = itertools.count((int.from_bytes(os.urandom(4), "big") << 20) + 1)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        # checksums run beside the event loop: zlib releases the GIL, chunks combine by length
+        self.crc_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="peerd-crc")
+
+    def close(self) -> None:
+        self.crc_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def checksum(self, pieces: Sequence[memoryview]) -> int:
+        """CRC-32 of the concatenated `pieces`, computed in parallel off the event loop."""
+        parts = tw.split(pieces, CRC_PART)
+        if sum(len(p) for p in parts) < 1 << 20:
+            return tw.crc32(parts)
+        crcs = await asyncio.gather(*(asyncio.wrap_future(self.crc_pool.submit(tw.zlib.crc32, p))
+                                      for p in parts))
+        out = 0
+        for c, p in zip(crcs, parts):
+            out = tw.crc32_combine(out, c, len(p))
+        return out
+
+    # -- configuration ---------------------------------------------------------------------------
+    def set_layout(self, kind: str, layout: tw.Layout | None) -> None:
+        """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any)."""
+        if layout is None:
+            self.layouts.pop(kind, None)
+        else:
+            self.layouts[kind] = layout
+
+    @property
+    def budget(self) -> Budget:
+        if self._budget is None:  # created lazily: asyncio primitives bind to the running loop
+            self._budget = Budget(self.cfg.dataplane_peer_bytes, self.cfg.dataplane_total_bytes)
+        return self._budget
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus-style samples: name{label="..."} -> value."""
+        out: dict[str, float] = {f"peerd_dataplane_{k}_total": v for k, v in self.counters.items()}
+        for reason, n in self.rejected.items():
+            out[f'peerd_dataplane_rejected_total{{reason="{reason}"}}'] = n
+        b = self.budget
+        out["peerd_dataplane_held_bytes"] = b.used_total
+        out["peerd_dataplane_pool_idle_bytes"] = self.pool.idle_bytes
+        return out
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Raw handlers for the daemon's `peerd.v1.Peer` generic handler."""
+        return {
+            "PushTensor": grpc.stream_unary_rpc_method_handler(self._serve_push),
+            "PullTensor": grpc.unary_stream_rpc_method_handler(self._serve_pull),
+        }
+
+    def _refuse(self, err: TransferError, peer: str, what: str) -> None:
+        self.rejected[err.reason] += 1
+        log.warning("%s from %s refused: %s", what, peer or "<unauthenticated>", err)
+
+    # -- server: push ---------------------------------------------------------------------------
+    async def _serve_push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> bytes:
+        peer = _auth_node(context)
+        try:
+            if not peer:
+                raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call",
+                                    grpc.StatusCode.UNAUTHENTICATED)
+            if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
+                raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} "
+                                    "transfers from this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._server_active[peer] += 1
+            try:
+                rec = await self._receive(aiter(request_iterator), peer, expect_sender=peer)
+            finally:
+                self._server_active[peer] -= 1
+                if self._server_active[peer] <= 0:
+                    del self._server_active[peer]
+            await self._deliver(rec)
+        except asyncio.CancelledError:
+            self.rejected["cancelled"] += 1
+            log.info("push from %s cancelled by the sender or the server", peer)
+            raise
+        except TransferError as e:
+            self._refuse(e, peer, "push")
+            await context.abort(e.code, f"{e.reason}: {e.details}")
+        self.counters["pushes_received"] += 1
+        return pb.TransferReply(transfer_id=rec.transfer_id, received_bytes=rec.wire_bytes,
+                                seconds=rec.seconds).SerializeToString()
+
+    async def _deliver(self, rec: Received) -> None:
+        sink = self.on_received
+        try:
+            if isinstance(sink, asyncio.Queue):
+                await asyncio.wait_for(sink.put(rec), self.cfg.dataplane_deliver_timeout)
+            else:
+                out = sink(rec)
+                if inspect.isawaitable(out):
+                    await asyncio.wait_for(out, self.cfg.dataplane_deliver_timeout)
+        except TimeoutError:
+            rec.release()
+            raise TransferError("not_taken", f"the daemon did not take the transfer within "
+                                f"{self.cfg.dataplane_deliver_timeout}s", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+        except BaseException:
+            rec.release()
+            raise
+
+    # -- receiving (push server and pull client share it) ---------------------------------------
+    async def _receive(self, frames: Any, peer: str, expect_sender: str) -> Received:
+        """Read header and chunks from the async iterator `frames` into a pooled buffer."""
+        cfg = self.cfg
+        stall = cfg.dataplane_stall_timeout
+        loop = asyncio.get_running_loop()
+        asm: _Assembly | None = None
+        try:
+            async with asyncio.timeout(stall) as guard:
+                try:
+                    raw = await anext(frames)
+                except StopAsyncIteration:
+                    raise TransferError("no_header", "stream ended before a header") from None
+                kind, value = _decode(raw, cfg.dataplane_max_header_bytes)
+                if kind != tw.HEADER:
+                    raise TransferError("no_header", "first frame is a chunk, not a header")
+                asm = await self._admit(value, peer, expect_sender)
+                guard.reschedule(loop.time() + stall)
+                async for raw in frames:
+                    kind, value = _decode(raw, cfg.dataplane_max_header_bytes)
+                    if kind == tw.HEADER:
+                        raise TransferError("second_header", "a header after the first frame")
+                    asm.chunk(*value)
+                    guard.reschedule(loop.time() + stall)
+                return await asm.finish()
+        except TimeoutError:
+            if asm is not None:
+                asm.abort()
+            got = asm.received if asm else 0
+            raise TransferError("stalled", f"no data for {stall}s ({got} bytes received)",
+                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except BaseException:
+            if asm is not None:
+                asm.abort()
+            raise
+
+    async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str) -> "_Assembly":
+        cfg = self.cfg
+        if h.sender != expect_sender:
+            raise TransferError("sender_mismatch", f"header.sender {h.sender!r} is not the "
+                                f"authenticated node {expect_sender!r}", grpc.StatusCode.PERMISSION_DENIED)
+        if h.run_id != self.run_id:
+            raise TransferError("run_mismatch", f"header.run_id {h.run_id!r}, this node serves run "
+                                f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
+        if h.kind not in KINDS:
+            raise TransferError("bad_header", f"header.kind {h.kind!r} not one of {sorted(KINDS)}")
+        if h.compression not in tw.ROUNDING_BOUND:
+            raise TransferError("bad_header", f"header.compression {h.compression} unknown")
+        if h.checksum_algo not in CHECKSUMS:
+            raise TransferError("bad_header", f"header.checksum_algo {h.checksum_algo!r} not one of "
+                                f"{sorted(CHECKSUMS)}")
+        if h.total_bytes > cfg.dataplane_max_transfer_bytes:
+            raise TransferError("too_large", f"header.total_bytes {h.total_bytes} exceeds the limit "
+                                f"{cfg.dataplane_max_transfer_bytes}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        try:
+            layout = tw.Layout.from_proto(h.tensors, cfg.dataplane_max_tensors, cfg.dataplane_max_transfer_bytes)
+        except tw.WireError as e:
+            raise TransferError("bad_layout", str(e)) from None
+        if layout.nbytes != h.total_bytes:
+            raise TransferError("bad_layout", f"header.total_bytes {h.total_bytes} does not match the "
+                                f"layout's {layout.nbytes} bytes")
+        wire = layout.wire(h.compression)
+        if wire.nbytes != h.wire_bytes:
+            raise TransferError("bad_layout", f"header.wire_bytes {h.wire_bytes} does not match the "
+                                f"{wire.nbytes} bytes the layout has on the wire")
+        want = self.layouts.get(h.kind)
+        if want is not None and not want.same_shapes(layout):
+            raise TransferError("layout_mismatch", f"layout of {h.kind!r} differs from the run's "
+                                f"({_diff(want, layout)})", grpc.StatusCode.FAILED_PRECONDITION)
+        compressed = wire.nbytes != layout.nbytes
+        need = layout.nbytes + (wire.nbytes if compressed else 0)
+        await self.budget.reserve(peer, need, cfg.dataplane_admit_timeout)
+        try:
+            dst = await self.pool.get(layout.nbytes)
+            wbuf = await self.pool.get(wire.nbytes) if compressed else dst
+        except BaseException:
+            self.budget.release(peer, need)
+            raise
+        return _Assembly(self, peer, h, layout, dst, wbuf, need)
+
+    # -- server: pull ---------------------------------------------------------------------------
+    async def _serve_pull(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
+        peer = _auth_node(context)
+        try:
+            try:
+                req = pb.PullRequest.FromString(request)
+            except Exception as e:
+                raise TransferError("bad_request", f"PullRequest does not parse ({e})") from None
+            if not peer:
+                raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call",
+                                    grpc.StatusCode.UNAUTHENTICATED)
+            if req.requester != peer:
+                raise TransferError("sender_mismatch", f"requester {req.requester!r} is not the "
+                                    f"authenticated node {peer!r}", grpc.StatusCode.PERMISSION_DENIED)
+            if req.run_id != self.run_id:
+                raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
+                                    f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
+            kind = req.kind or "model"
+            if kind not in KINDS or req.compression not in tw.ROUNDING_BOUND:
+                raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
+            snap = None
+            if self.source is not None:
+                snap = self.source(peer, kind, req.min_iteration)
+                if inspect.isawaitable(snap):
+                    snap = await snap
+            if snap is None:
+                raise TransferError("not_found", f"no {kind!r} parameters at or after iteration "
+                                    f"{req.min_iteration}", grpc.StatusCode.NOT_FOUND)
+        except TransferError as e:
+            self._refuse(e, peer, "pull")
+            await context.abort(e.code, f"{e.reason}: {e.details}")
+        stall = self.cfg.dataplane_stall_timeout
+        try:
+            prep = await self._prepare(snap.data, req.compression, snap.checksum, measure=False)
+            try:
+                header = self._header(prep, snap.iteration, kind)
+                loop = asyncio.get_running_loop()
+                async with asyncio.timeout(stall) as guard:
+                    await context.write(header)
+                    for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane_chunk_bytes):
+                        guard.reschedule(loop.time() + stall)
+                        await context.write(frame)
+            finally:
+                prep.release()
+        except TimeoutError:
+            self._refuse(TransferError("stalled", f"puller read nothing for {stall}s"), peer, "pull")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled: reader too slow")
+        finally:
+            if snap.done is not None:
+                snap.done()
+        self.counters["pulls_served"] += 1
+
+    # -- client side ------------------------------------------------------------------------------
+    def _sem(self, peer: str) -> asyncio.Semaphore:
+        sem = self._client_sems.get(peer)
+        if sem is None:
+            sem = self._client_sems[peer] = asyncio.Semaphore(self.cfg.dataplane_max_rpcs_per_peer)
+        return sem
+
+    def deadline(self, nbytes: int) -> float:
+        """Seconds a transfer of `nbytes` may take before it counts as failed."""
+        return self.cfg.dataplane_stall_timeout + nbytes / self.cfg.dataplane_min_rate
+
+    async def push(self, channel: grpc.aio.Channel, peer: str, data: Outgoing | Sequence[torch.Tensor], *,
+                   metadata: Sequence[tuple[str, str]] = (), iteration: int, kind: str = "model",
+                   compression: int | str | None = None, checksum: int | None = None,
+                   timeout: float | None = None) -> PushResult:
+        """Send one buffer to `peer` over `channel`. Raises TransferError on any failure.
+
+        `checksum`: crc32 of the uncompressed bytes if the caller already knows it (a buffer
+        pushed to several peers needs it once). `compression`: default from the config."""
+        if not isinstance(data, Outgoing):
+            data = Outgoing.of(data)
+        comp = _compression(self.cfg.dataplane_compression if compression is None else compression)
+        async with self._sem(peer):
+            t0 = time.perf_counter()
+            prep = await self._prepare(data, comp, checksum, measure=True)
+            try:
+                header = self._header(prep, iteration, kind)
+
+                async def frames() -> Any:
+                    yield header
+                    for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane_chunk_bytes):
+                        yield frame
+
+                call = channel.stream_unary(PUSH_METHOD)
+                try:
+                    raw = await call(frames(), metadata=tuple(metadata),
+                                     timeout=timeout or self.deadline(prep.wire_bytes))
+                except grpc.aio.AioRpcError as e:
+                    self.counters["pushes_failed"] += 1
+                    raise TransferError(_reason(e), f"push to {peer}: {e.details()}", e.code()) from None
+            finally:
+                prep.release()
+        reply = pb.TransferReply.FromString(raw)
+        self.counters["pushes_sent"] += 1
+        self.counters["bytes_sent"] += prep.wire_bytes
+        return PushResult(prep.transfer_id, prep.layout.nbytes, prep.wire_bytes,
+                          time.perf_counter() - t0, reply.seconds, prep.cast_error)
+
+    async def pull(self, channel: grpc.aio.Channel, peer: str, *, metadata: Sequence[tuple[str, str]] = (),
+                   min_iteration: int = 0, kind: str = "model", compression: int | str | None = None,
+                   timeout: float | None = None) -> Received:
+        """Fetch `peer`'s newest `kind` buffer at or after `min_iteration`. Caller releases it."""
+        comp = _compression(self.cfg.dataplane_compression if compression is None else compression)
+        req = pb.PullRequest(requester=self.node_id, run_id=self.run_id, min_iteration=min_iteration,
+                             compression=comp, kind=kind).SerializeToString()
+        async with self._sem(peer):
+            call = channel.unary_stream(PULL_METHOD)(
+                req, metadata=tuple(metadata),
+                timeout=timeout or self.deadline(self.cfg.dataplane_max_transfer_bytes))
+
+            async def frames() -> Any:
+                while True:
+                    raw = await call.read()
+                    if raw is grpc.aio.EOF:
+                        return
+                    yield raw
+
+            try:
+                rec = await self._receive(frames(), peer, expect_sender=peer)
+            except TransferError as e:
+                call.cancel()
+                self._refuse(e, peer, "pull")
+                raise
+            except grpc.aio.AioRpcError as e:
+                self.counters["pulls_failed"] += 1
+                raise TransferError(_reason(e), f"pull from {peer}: {e.details()}", e.code()) from None
+            finally:
+                call.cancel()
+        if rec.kind != kind or rec.iteration < min_iteration:
+            rec.release()
+            raise TransferError("bad_header", f"pulled {rec.kind!r} at iteration {rec.iteration}, asked "
+                                f"for {kind!r} at or after {min_iteration}")
+        self.counters["pulls_received"] += 1
+        return rec
+
+    async def _prepare(self, data: Outgoing, comp: int, checksum: int | None, measure: bool) -> "_Prepared":
+        wire = data.layout.wire(comp)
+        compressed = wire.nbytes != data.layout.nbytes
+        pieces, scratch, cast_error = data.pieces, None, None
+        total = sum(len(p) for p in pieces)
+        if total != data.layout.nbytes:
+            raise ValueError(f"data: {total} bytes for a layout of {data.layout.nbytes}")
+        if checksum is None and not compressed:
+            checksum = data.checksum
+        if compressed:
+            scratch = await self.pool.get(wire.nbytes)
+            cast_error = await asyncio.to_thread(tw.compress, data.layout, pieces, scratch, comp, measure)
+            pieces = [tw.flat_view(scratch)]
+            checksum = None  # a known checksum is of the uncompressed bytes
+        algo = self.cfg.dataplane_checksum
+        if algo == "crc32" and checksum is None:
+            if compressed:
+                checksum = await self.checksum(pieces)
+            else:  # concurrent first pushes of one snapshot share one computation
+                if data._pending is None:
+                    data._pending = asyncio.ensure_future(self.checksum(pieces))
+                checksum = data.checksum = await asyncio.shield(data._pending)
+        return _Prepared(self, data, data.layout, comp, pieces, wire.nbytes, algo,
+                         checksum or 0, next(self._ids), cast_error, scratch)
+
+    def _header(self, prep: "_Prepared", iteration: int, kind: str) -> bytes:
+        return tw.encode_header(pb.TensorHeader(
+            sender=self.node_id, run_id=self.run_id, iteration=iteration,
+            tensors=prep.layout.to_proto(), total_bytes=prep.layout.nbytes, wire_bytes=prep.wire_bytes,
+            checksum_algo=prep.checksum_algo, checksum=prep.checksum, compression=prep.compression,
+            transfer_id=prep.transfer_id, kind=kind))
+
+
+@dataclass
+class _Prepared:
+    dp: DataPlane
+    data: Outgoing
+    layout: tw.Layout
+    compression: int
+    pieces: list[memoryview]
+    wire_bytes: int
+    checksum_algo: str
+    checksum: int
+    transfer_id: int
+    cast_error: tw.CastError | None
+    scratch: torch.Tensor | None
+
+    def release(self) -> None:
+        if self.scratch is not None:
+            self.pieces = []
+            self.dp.pool.put(self.scratch)
+            self.scratch = None
+
+
+class _Assembly:
+    """One incoming transfer: checks order and bounds of each chunk, copies it into place."""
+
+    def __init__(self, dp: DataPlane, peer: str, h: pb.TensorHeader, layout: tw.Layout,
+                 dst: torch.Tensor, wbuf: torch.Tensor, reserved: int):
+        self.dp, self.peer, self.h, self.layout = dp, peer, h, layout
+        self.dst, self.wbuf, self.reserved = dst, wbuf, reserved
+        self.view = tw.flat_view(wbuf)
+        self.wire_bytes = h.wire_bytes
+        self.received = 0
+        self.crcs: list[tuple[Any, int]] = []   # (crc or its future, length) per chunk, in order
+        self.check = h.checksum_algo == "crc32"
+        self.t0 = time.perf_counter()
+        self.done = False
+
+    def chunk(self, offset: int, data: memoryview) -> None:
+        n = len(data)
+        if n == 0:
+            raise TransferError("bad_frame", f"empty chunk at offset {offset}")
+        if offset != self.received:
+            raise TransferError("out_of_order", f"chunk at offset {offset}, expected {self.received}")
+        if offset + n > self.wire_bytes:
+            raise TransferError("overflow", f"chunk ends at {offset + n}, beyond the announced "
+                                f"{self.wire_bytes} wire bytes")
+        self.view[offset:offset + n] = data
+        if self.check:
+            if n >= 1 << 16:  # hand bigger chunks to a worker; the loop goes on reading
+                self.crcs.append((self.dp.crc_pool.submit(tw.zlib.crc32, self.view[offset:offset + n]), n))
+            else:
+                self.crcs.append((tw.zlib.crc32(data), n))
+        self.received += n
+
+    async def finish(self) -> Received:
+        h = self.h
+        if self.received != self.wire_bytes:
+            raise TransferError("truncated", f"stream ended after {self.received} of {self.wire_bytes} "
+                                "bytes", grpc.StatusCode.DATA_LOSS)
+        if self.check:
+            crc = 0
+            for c, n in self.crcs:
+                if not isinstance(c, int):
+                    c = await asyncio.wrap_future(c)
+                crc = tw.crc32_combine(crc, c, n)
+            if crc != h.checksum:
+                raise TransferError("checksum", f"crc32 {crc:#010x} does not match header.checksum "
+                                    f"{h.checksum:#010x}", grpc.StatusCode.DATA_LOSS)
+        seconds = time.perf_counter() - self.t0
+        dp = self.dp
+        if self.wbuf is not self.dst:
+            await asyncio.to_thread(tw.decompress, self.layout, self.wbuf, self.dst, h.compression)
+            dp.pool.put(self.wbuf)
+            dp.budget.release(self.peer, self.wire_bytes)
+            self.reserved -= self.wire_bytes
+            self.wbuf = self.dst
+        self.done = True
+        dp.counters["bytes_received"] += self.wire_bytes
+        dst, peer, reserved = self.dst, self.peer, self.reserved
+
+        def release() -> None:
+            dp.pool.put(dst)
+            dp.budget.release(peer, reserved)
+
+        return Received(h.sender, h.run_id, h.iteration, h.kind, h.transfer_id, self.layout, dst,
+                        self.layout.nbytes, self.wire_bytes, seconds, h.compression,
+                        tw.ROUNDING_BOUND[h.compression], release)
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.dp.pool.put(self.dst)
+        if self.wbuf is not self.dst:
+            self.dp.pool.put(self.wbuf)
+        self.dp.budget.release(self.peer, self.reserved)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _auth_node(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTH_KEY:
+            return value if isinstance(value, str) else ""
+    return ""
+
+
+def _decode(raw: bytes, max_header: int) -> tuple[int, Any]:
+    try:
+        return tw.decode_frame(raw, max_header)
+    except tw.WireError as e:
+        raise TransferError("bad_frame", str(e)) from None
+
+
+def _compression(value: int | str) -> int:
+    if isinstance(value, str):
+        if value not in tw.COMPRESSION_NAMES:
+            raise ValueError(f"compression {value!r}: want one of {sorted(tw.COMPRESSION_NAMES)}")
+        return tw.COMPRESSION_NAMES[value]
+    if value not in tw.ROUNDING_BOUND:
+        raise ValueError(f"compression {value}: unknown")
+    return value
+
+
+def _reason(e: grpc.aio.AioRpcError) -> str:
+    """The receiver's reason label from 'reason: details', else the status code name."""
+    details = e.details() or ""
+    head = details.split(":", 1)[0]
+    return head if head.replace("_", "").isalpha() and head.islower() else e.code().name.lower()
+
+
+def _diff(want: tw.Layout, got: tw.Layout) -> str:
+    if len(want.specs) != len(got.specs):
+        return f"{len(got.specs)} tensors, want {len(want.specs)}"
+    for i, (a, b) in enumerate(zip(want.specs, got.specs)):
+        if a != b:
+            return f"tensor {i}: got {b.name} {b.dtype}{list(b.shape)}, want {a.name} {a.dtype}{list(a.shape)}"
+    return "same specs"

@@ -1,0 +1,178 @@
+"""DSGD-AAU (Xiong et al., MobiHoc'24): adaptive asynchronous updates with a waited-for subgraph that
+keeps the graph strongly connected every round.
+
+Reading choice: the paper's Pathsearch rules are not retrievable, so we implement the
+"measured subgraph" reading (research/papers.md 2.2, Reading B), with a round = one iteration:
+- From measured expected arrival delays t[i][j] (j's model at i: j's compute + transfer), every
+  worker computes the same minimum spanning tree of the live undirected graph (Kruskal, edge cost
+  max(t_ij, t_ji), ties broken by ids). A minimum spanning tree is also a minimum-bottleneck
+  spanning tree: the slowest link the round waits on is as fast as any spanning choice allows.
+- In iteration k worker i waits for the fresh (iteration-k) models of its tree neighbours only.
+  Each tree edge is waited on from both ends, so the waited-for edges of one iteration form a
+  symmetric spanning tree of the live workers: strongly connected by construction, every round.
+- The mix also takes, without waiting, every other neighbour's newest model already in hand at
+  iteration k - staleness or later (fresh ones included): the number of neighbours used adapts to
+  who is fast in this iteration. Weights are the topology's row renormalised over what is used.
+- Agreement: a new tree must take effect at the same iteration everywhere, so LinkEstimates carries
+  `effective_k`; a worker uses, at iteration k, the newest estimates with effective_k <= k. The
+  simulator tags them with its global view; the daemon tags them from the gossiped link matrix.
+  Before any estimate, all costs are 1 (tree by ids). `late` counts estimates that arrived after
+  their effective iteration (those rounds may mix two trees).
+- Crash: PeerDown removes the peer; the tree is recomputed over the live workers (the others get the
+  same PeerDown). No deadlock: sends never wait, and each worker waits only on tree neighbours that
+  are alive, which all publish every iteration.
+- Held updates: per neighbour, the iterations beyond the last mix plus the newest one at or below it;
+  bounded by the tree's diameter + 2 (tree neighbours are within one iteration of each other).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, Published,
+                               Send, Tick, UpdateArrived, Wait)
+from peerd.sync.policy import Policy
+from peerd.sync.topology import Topology, renormalise
+
+
+def spanning_tree(adj: np.ndarray, cost: np.ndarray | None, live: list[int]) -> list[set[int]]:
+    """Minimum spanning forest (Kruskal) of the undirected graph adj restricted to live nodes;
+    returns the tree neighbours of every node."""
+    n = adj.shape[0]
+    alive = np.zeros(n, dtype=bool)
+    alive[live] = True
+    und = (adj | adj.T) & alive[:, None] & alive[None, :]
+    iu, ju = np.nonzero(np.triu(und, 1))
+    c = np.ones(len(iu)) if cost is None else np.maximum(cost[iu, ju], cost[ju, iu])
+    order = np.lexsort((ju, iu, c))
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    nb: list[set[int]] = [set() for _ in range(n)]
+    for e in order:
+        a, b = int(iu[e]), int(ju[e])
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+            nb[a].add(b)
+            nb[b].add(a)
+    return nb
+
+
+class AAU(Policy):
+    name = "aau"
+
+    def __init__(self, me: int, topo: Topology, *, staleness: int = 2) -> None:
+        super().__init__(me, topo.n)
+        if topo.period != 1 or topo.directed:
+            raise ValueError("topology: AAU needs a static undirected graph")
+        if staleness < 0:
+            raise ValueError(f"staleness: must be >= 0, got {staleness}")
+        self.topo, self.staleness = topo, staleness
+        self.adj = topo.adjacency()
+        self.nb = list(topo.in_neighbors(me))
+        self.versions: list[tuple[int, np.ndarray | None]] = [(0, None)]
+        self.trees: dict[tuple[int, frozenset[int]], list[set[int]]] = {}
+        self.held: dict[int, set[int]] = {}
+        self.want = -1
+        self.mixed = -1
+        self.late = 0
+
+    def _version(self, k: int) -> int:
+        v = 0
+        for idx, (eff, _) in enumerate(self.versions):
+            if eff <= k:
+                v = idx
+        return v
+
+    def tree(self, k: int) -> list[set[int]]:
+        v = self._version(k)
+        key = (v, frozenset(self.dead))
+        tr = self.trees.get(key)
+        if tr is None:
+            live = [i for i in range(self.n) if i not in self.dead]
+            tr = spanning_tree(self.adj, self.versions[v][1], live)
+            if len(self.trees) > 16:
+                self.trees.clear()
+            self.trees[key] = tr
+        return tr
+
+    def waited(self, k: int) -> list[int]:
+        return sorted(j for j in self.tree(k)[self.me] if j not in self.dead)
+
+    def on_published(self, ev: Published, now: float) -> list[Action]:
+        self.k = ev.k
+        return [Send(j, ev.k) for j in self.nb if j not in self.dead]
+
+    def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
+        self.want = ev.k
+        return self._try(now)
+
+    def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
+        if ev.src in self.dead or ev.src not in self.nb or ev.k <= self.mixed and self._newest(ev.src, self.mixed) > ev.k:
+            return [Drop(ev.src, ev.k)]
+        self.held.setdefault(ev.src, set()).add(ev.k)
+        return self._try(now)
+
+    def on_estimates(self, ev: LinkEstimates, now: float) -> list[Action]:
+        t = np.asarray(ev.times, dtype=float)
+        if t.shape != (self.n, self.n):
+            raise ValueError(f"LinkEstimates.times: expected {self.n}x{self.n}, got {t.shape}")
+        if ev.effective_k <= self.mixed:
+            self.late += 1
+        self.versions.append((ev.effective_k, t))
+        return self._try(now)
+
+    def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
+        out: list[Action] = [Drop(ev.peer, x) for x in sorted(self.held.pop(ev.peer, ()))]
+        return out + self._try(now)
+
+    def on_tick(self, ev: Tick, now: float) -> list[Action]:
+        return self._try(now)
+
+    def _newest(self, j: int, upto: int) -> int:
+        return max((x for x in self.held.get(j, ()) if x <= upto), default=-1)
+
+    def _try(self, now: float) -> list[Action]:
+        k = self.want
+        if k < 0 or k != self.k or self.mixed >= k:
+            return []
+        wait = self.waited(k)
+        missing = [j for j in wait if k not in self.held.get(j, ())]
+        if missing:
+            self._wait("tree neighbours", missing, now)
+            return [Wait(f"tree neighbours {missing} at iteration {k}")]
+        self._unwait()
+        used = [(j, k) for j in wait]
+        for j in self.nb:
+            if j in self.dead or j in wait:
+                continue
+            x = self._newest(j, k)
+            if x >= 0 and x >= k - self.staleness:
+                used.append((j, x))
+        row = renormalise(self.topo.weights(self.me), [self.me] + [j for j, _ in used])
+        out: list[Action] = [Mix(k, tuple([(self.me, k, row[self.me])] + [(j, x, row[j]) for j, x in used]),
+                                 waited=tuple(wait))]
+        self.mixes += 1
+        self.mixed = k
+        self.want = -1
+        for j, h in self.held.items():
+            keep = self._newest(j, k)
+            for x in sorted(h):
+                if x < keep or (x == keep and x < k + 1 - self.staleness):
+                    h.discard(x)
+                    out.append(Drop(j, x))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        s = super().state()
+        k = max(self.k, 0)
+        s.update({"waits_for": self.waited(k), "queue": {j: len(h) for j, h in self.held.items() if h},
+                  "estimate_versions": len(self.versions) - 1, "late": self.late})
+        return s

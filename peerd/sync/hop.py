@@ -1,0 +1,237 @@
+"""Hop (Luo et al., ASPLOS'19): queue-based decentralized synchronisation with update queues and
+per-edge token queues, backup workers, bounded staleness and iteration skipping.
+
+Per worker i, iteration k (D-PSGD shape, sends overlap the gradient):
+    Published(k)      -> Send(j, k) to every live out-neighbour j
+    MixRequested(k)   -> wait for the GATHER rule of the mode, and for one token on every live
+                         out-edge; then Mix(k, entries), Grant(j, steps) to every live in-neighbour,
+                         and, when skipping, Skip(k + steps)
+Modes (GATHER):
+    standard          every live in-neighbour's iteration-k update
+    backup b          iteration-k updates of at least |N_in| - b live in-neighbours (exact k only;
+                      older arrivals are dropped at once, newer ones are kept for later)
+    staleness s       newest update of every live in-neighbour, each at iteration >= k - s
+    backup+staleness  at least |N_in| - b live in-neighbours with a newest update >= k - s
+The mix uses every qualifying update in hand at that moment, with the topology's row renormalised
+over the entries used (self included).
+
+Reading choices (the paper's details are reconstructed, see research/papers.md 1.3-1.5):
+- Token placement: the counter lives at the sender. Edge i -> j starts with max_ig tokens; i spends
+  one per step when it advances its iteration (publishing iteration 0 is free); j grants one per
+  step when it advances past a mixed iteration (k -> k+s grants s). Hence tokens granted by j equal
+  j's iteration, and iter(i) - iter(j) <= max_ig holds on every edge in every mode, skipping
+  included. Mix(k) is held back until the tokens for the step are in hand, so "may I advance" and
+  "here is my mix" are one decision and the trainer never runs ahead of its tokens.
+- Skip rule: after mixing k, with k_seen the newest iteration tag received from a live in-neighbour,
+  if k_seen > k+1 the worker jumps to k + 1 + min(k_seen - k - 1, max_skip), further capped by the
+  tokens in hand on every out-edge (each skipped step spends and grants one token, exactly like a
+  computed one, so skipping releases the fast neighbours at once). Skipped iterations send nothing.
+  Skipping needs backup or staleness (in standard mode receivers would wait forever for a skipped
+  update); the constructor refuses it otherwise. In backup mode a neighbour that went past k without
+  sending k (it skipped k; links are FIFO, so a newer tag proves it) is represented in the mix of k
+  by its next update: without this, two neighbours that both skipped k would starve a slow worker
+  that lands on k (found by the random-slowdown scenario: a deadlock).
+- Crashes: PeerDown removes the peer from the waited set in every mode (standard mode then waits for
+  the live in-neighbours only) and from the token check; its held updates are dropped. Without a
+  PeerDown the tokens stop neighbours max_ig iterations past a silent peer, by design.
+- PeerUp(p, k_p) re-admits p with its token counter reset as if p had granted up to k_p.
+- The gap bound holds for the sender ahead of the receiver; on undirected graphs (every topology
+  here but directed link matrices) it therefore bounds |gap| on every edge.
+- Queues: held updates per in-edge are bounded: standard/backup keep iterations in (last mixed,
+  last mixed + max_ig + 1]; staleness keeps only the newest per sender.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown, PeerUp, Published,
+                               Send, Skip, Tick, TokensArrived, UpdateArrived, Wait)
+from peerd.sync.policy import Policy
+from peerd.sync.topology import Topology, renormalise
+
+
+class Hop(Policy):
+    name = "hop"
+
+    def __init__(self, me: int, topo: Topology, *, max_ig: int | None = 4, backup: int = 0,
+                 staleness: int | None = None, skip: bool = False, max_skip: int = 4) -> None:
+        super().__init__(me, topo.n)
+        if max_ig is not None and max_ig < 1:
+            raise ValueError(f"max_ig: must be >= 1, got {max_ig}")
+        if backup < 0:
+            raise ValueError(f"backup: must be >= 0, got {backup}")
+        if staleness is not None and staleness < 0:
+            raise ValueError(f"staleness: must be >= 0, got {staleness}")
+        if skip and backup == 0 and staleness is None:
+            raise ValueError("skip: skipping needs backup >= 1 or a staleness bound")
+        if skip and max_skip < 1:
+            raise ValueError(f"max_skip: must be >= 1, got {max_skip}")
+        if (max_ig is not None or skip) and topo.period != 1:
+            raise ValueError("max_ig/skip: token queues and skipping need a static topology")
+        self.topo = topo
+        self.max_ig = max_ig
+        self.backup = backup
+        self.staleness = staleness
+        self.skip = skip
+        self.max_skip = max_skip
+        self.held: dict[int, set[int]] = {}     # src -> iterations in hand
+        self.seen: dict[int, int] = {}          # src -> newest tag ever received
+        self.granted: dict[int, int] = {}       # tokens received from j (edge me -> j)
+        self.spent: dict[int, int] = {}         # tokens spent on edge me -> j
+        self.want = -1                           # iteration whose mix was requested, not yet given
+        self.mixed = -1                          # last iteration mixed
+        self.skipped = 0
+
+    # --- helpers ----------------------------------------------------------------------------
+    def mode(self) -> str:
+        if self.staleness is None:
+            return "standard" if self.backup == 0 else f"backup{self.backup}"
+        return f"staleness{self.staleness}" + (f"+backup{self.backup}" if self.backup else "")
+
+    def live_in(self, k: int) -> list[int]:
+        return [j for j in self.topo.in_neighbors(self.me, k) if j not in self.dead]
+
+    def live_out(self, k: int) -> list[int]:
+        return [j for j in self.topo.out_neighbors(self.me, k) if j not in self.dead]
+
+    def tokens(self, j: int) -> int:
+        return self.max_ig + self.granted.get(j, 0) - self.spent.get(j, 0)  # type: ignore[operator]
+
+    def _newest(self, j: int) -> int:
+        h = self.held.get(j)
+        return max(h) if h else -1
+
+    def _drop(self, j: int, ks: list[int], out: list[Action]) -> None:
+        h = self.held.get(j)
+        for k in ks:
+            if h is not None and k in h:
+                h.discard(k)
+                out.append(Drop(j, k))
+
+    # --- events -----------------------------------------------------------------------------
+    def on_published(self, ev: Published, now: float) -> list[Action]:
+        if ev.k <= self.k:
+            raise ValueError(f"Published: iteration {ev.k} after {self.k}")
+        self.k = ev.k
+        return [Send(j, ev.k) for j in self.live_out(ev.k)]
+
+    def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
+        if ev.k != self.k:
+            raise ValueError(f"MixRequested: iteration {ev.k}, but {self.k} is published")
+        self.want = ev.k
+        return self._try(now)
+
+    def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
+        j, k = ev.src, ev.k
+        if j in self.dead or j not in self.topo.in_neighbors(self.me, k):
+            return [Drop(j, k)]
+        self.seen[j] = max(self.seen.get(j, -1), k)
+        h = self.held.setdefault(j, set())
+        if self.staleness is None:
+            if k <= self.mixed:            # too late for its iteration: never used
+                return [Drop(j, k)]
+            h.add(k)
+        else:
+            if k <= self._newest(j):       # out of order: older than what we hold
+                return [Drop(j, k)]
+            out: list[Action] = []
+            self._drop(j, sorted(h), out)
+            h.add(k)
+            return out + self._try(now)
+        return self._try(now)
+
+    def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
+        self.granted[ev.src] = self.granted.get(ev.src, 0) + ev.n
+        return self._try(now)
+
+    def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
+        out: list[Action] = []
+        self._drop(ev.peer, sorted(self.held.get(ev.peer, ())), out)
+        return out + self._try(now)
+
+    def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
+        # Reset the edge as if the peer had granted up to its iteration.
+        self.granted[ev.peer] = ev.k
+        self.spent[ev.peer] = max(self.k, 0)
+        return self._try(now)
+
+    def on_tick(self, ev: Tick, now: float) -> list[Action]:
+        return self._try(now)
+
+    # --- the decision -----------------------------------------------------------------------
+    def _gather(self, k: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """(usable (src, iteration) entries, in-neighbours still missing) for iteration k."""
+        nb = self.live_in(k)
+        if self.staleness is None:
+            got = []
+            for j in nb:
+                h = self.held.get(j, ())
+                if k in h:
+                    got.append((j, k))
+                elif self.backup and self.seen.get(j, -1) > k:
+                    # j went past k without sending it (it skipped): its next update stands in.
+                    later = [x for x in h if x > k]
+                    if later:
+                        got.append((j, min(later)))
+        else:
+            got = [(j, x) for j in nb if (x := self._newest(j)) >= max(0, k - self.staleness)]
+        have = {j for j, _ in got}
+        return got, [j for j in nb if j not in have]
+
+    def _try(self, now: float) -> list[Action]:
+        k = self.want
+        if k < 0 or k != self.k or self.mixed >= k:
+            return []
+        got, missing = self._gather(k)
+        need = max(0, len(self.live_in(k)) - self.backup)
+        if len(got) < need:
+            self._wait("updates", missing, now)
+            return [Wait(f"updates of iteration {k} from {missing}")]
+        outs = self.live_out(k + 1)
+        steps = 1
+        if self.max_ig is not None:
+            avail = min((self.tokens(j) for j in outs), default=steps + self.max_skip)
+            if avail < 1:
+                short = [j for j in outs if self.tokens(j) < 1]
+                self._wait("tokens", short, now)
+                return [Wait(f"tokens from {short}")]
+        if self.skip:
+            ins = self.live_in(k)
+            k_seen = max((self.seen.get(j, -1) for j in ins), default=-1)
+            if k_seen > k + 1:
+                steps = 1 + min(k_seen - k - 1, self.max_skip)
+            if self.max_ig is not None:
+                steps = max(1, min(steps, avail))
+        self._unwait()
+        row = renormalise(self.topo.weights(self.me, k), [self.me] + [j for j, _ in got])
+        entries = [(self.me, k, row[self.me])] + [(j, kj, row[j]) for j, kj in got]
+        out: list[Action] = [Mix(k, tuple(entries), waited=tuple(j for j, _ in got))]
+        self.mixes += 1
+        self.mixed = k
+        self.want = -1
+        if self.max_ig is not None:
+            for j in outs:
+                self.spent[j] = self.spent.get(j, 0) + steps
+        if self.max_ig is not None:
+            out.extend(Grant(j, steps) for j in self.live_in(k))
+        # Free what can never be used again.
+        for j, h in self.held.items():
+            if self.staleness is None:
+                self._drop(j, sorted(x for x in h if x <= k + steps - 1), out)
+        if steps > 1:
+            self.skipped += steps - 1
+            out.append(Skip(k + steps))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        s = super().state()
+        s.update({
+            "mode": self.mode() + ("+skip" if self.skip else ""),
+            "max_ig": self.max_ig,
+            "tokens": {j: self.tokens(j) for j in self.live_out(max(self.k, 0))} if self.max_ig else {},
+            "queue": {j: len(h) for j, h in self.held.items() if h},
+            "peer_iteration": dict(self.seen),
+            "gap": {j: self.k - v for j, v in self.seen.items()},
+            "skipped": self.skipped,
+        })
+        return s

@@ -1,0 +1,102 @@
+"""The one policy interface: one instance per worker, fed events, returning actions.
+
+    actions = policy.on_event(event, now)     # now: seconds, any monotonic origin; never read here
+    policy.state()                            # dict for observability (gaps, tokens, queues, waits)
+
+A policy never sleeps, reads a clock or does I/O. The driver (daemon, simulator, tests) must:
+- deliver Published(k) when the trainer publishes iteration k, MixRequested(k) when the gradient of
+  iteration k is ready;
+- carry out actions in order (a Mix is applied before any later action; a Skip right after a Mix
+  changes which iteration the trainer publishes next);
+- keep every received (src, k) until the policy Drops it;
+- deliver a Tick at a Wait's `until` deadline, if it has one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
+                               Published, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
+                               WaitInfo)
+
+
+class Policy:
+    """Base class: dispatch by event type; subclasses override the handlers they need."""
+    name = "policy"
+
+    def __init__(self, me: int, n: int) -> None:
+        if not 0 <= me < n:
+            raise ValueError(f"me: worker {me} outside 0..{n - 1}")
+        self.me = me
+        self.n = n
+        self.k = -1            # iteration last published (-1: none yet)
+        self.mixes = 0         # mixes emitted
+        self.dead: set[int] = set()
+        self.waiting = WaitInfo()
+
+    def on_event(self, ev: Event, now: float) -> list[Action]:
+        match ev:
+            case Published():
+                return self.on_published(ev, now)
+            case MixRequested():
+                return self.on_mix_requested(ev, now)
+            case UpdateArrived():
+                return self.on_update(ev, now)
+            case TokensArrived():
+                return self.on_tokens(ev, now)
+            case PullRequested():
+                return self.on_pull_request(ev, now)
+            case PeerDown():
+                self.dead.add(ev.peer)
+                return self.on_peer_down(ev, now)
+            case PeerUp():
+                self.dead.discard(ev.peer)
+                return self.on_peer_up(ev, now)
+            case LinkEstimates():
+                return self.on_estimates(ev, now)
+            case Tick():
+                return self.on_tick(ev, now)
+        raise TypeError(f"event: unknown event {ev!r}")
+
+    # Defaults: ignore what the algorithm does not use.
+    def on_published(self, ev: Published, now: float) -> list[Action]:
+        self.k = ev.k
+        return []
+
+    def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
+        return []
+
+    def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
+        return []
+
+    def on_pull_request(self, ev: PullRequested, now: float) -> list[Action]:
+        # Serve a pull with the newest published parameters.
+        return [Send(ev.src, self.k)] if self.k >= 0 else []
+
+    def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
+        return []
+
+    def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
+        return []
+
+    def on_estimates(self, ev: LinkEstimates, now: float) -> list[Action]:
+        return []
+
+    def on_tick(self, ev: Tick, now: float) -> list[Action]:
+        return []
+
+    def _wait(self, reason: str, on: list[int], now: float) -> None:
+        if self.waiting.reason != reason or self.waiting.on != on:
+            self.waiting = WaitInfo(reason, now, on)
+
+    def _unwait(self) -> None:
+        self.waiting = WaitInfo()
+
+    def state(self) -> dict[str, Any]:
+        return {"algorithm": self.name, "me": self.me, "iteration": self.k, "mixes": self.mixes,
+                "dead": sorted(self.dead),
+                "waiting": {"reason": self.waiting.reason, "since": self.waiting.since,
+                            "on": list(self.waiting.on)} if self.waiting.reason else None}

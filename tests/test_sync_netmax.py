@@ -1,0 +1,115 @@
+"""NetMax probabilities: rows sum to 1, zero off the links, favour fast links, beat uniform's gap."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from peerd.sync import netmax as nm
+from peerd.sync import topology as T
+from peerd.sync.events import LinkEstimates, Mix, MixRequested, PeerDown, Published, Pull, UpdateArrived
+from tests.sync_helpers import random_graph
+
+
+def rand_times(seed, n, adj):
+    rng = np.random.default_rng(seed)
+    t = rng.uniform(0.05, 2.0, (n, n))
+    t = (t + t.T) / 2
+    return np.where(adj, t, 0.0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(3, 7), kind=st.sampled_from(nm.PROBS))
+def test_rows_are_distributions_on_the_links(seed, n, kind):
+    adj = random_graph(seed, n).adj
+    t = rand_times(seed, n, adj)
+    P = nm.probabilities(t, adj, kind)
+    assert np.allclose(P.sum(1), 1.0)
+    assert (P >= -1e-12).all()
+    assert np.all(P[~adj] == 0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(3, 7))
+def test_solved_gap_at_least_uniform_at_equal_budget(seed, n):
+    adj = random_graph(seed, n).adj
+    t = rand_times(seed, n, adj)
+    U = nm.uniform_probs(adj)
+    budget = float(nm.row_time(U, t).max())
+    P, gap = nm.solve_budget(t, adj, budget)
+    assert nm.row_time(P, t).max() <= budget + 1e-9
+    assert gap >= nm.spectral_gap(U) - 1e-12
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(3, 7), power=st.sampled_from([1.0, 0.5]))
+def test_ablations_give_faster_links_higher_probability(seed, n, power):
+    adj = random_graph(seed, n).adj
+    t = rand_times(seed, n, adj)
+    P = nm.inverse_time_probs(t, adj, power)
+    for i in range(n):
+        nb = np.flatnonzero(adj[i])
+        order = nb[np.argsort(t[i, nb])]
+        assert np.all(np.diff(P[i, order]) <= 1e-12)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_two_sites_optimum_favours_intra_site_links(n):
+    site = np.arange(n) // (n // 2)
+    same = site[:, None] == site[None, :]
+    adj = ~np.eye(n, dtype=bool)
+    t = np.where(same, 0.1, 1.0)
+    P, tbar, gap = nm.solve(t, adj)
+    for i in range(n):
+        intra = P[i, same[i] & adj[i]]
+        inter = P[i, ~same[i]]
+        assert intra.min() > inter.max() > 0      # faster links more likely, sites still connected
+    U = nm.uniform_probs(adj)
+    tu = float(nm.row_time(U, t).max())
+    beta = 0.3 * nm.spectral_gap(U)
+    assert tbar * (1 + beta / gap) <= tu * (1 + beta / nm.spectral_gap(U))
+
+
+def test_policy_pulls_by_probability_and_resolves_on_changes():
+    n = 4
+    topo = T.complete(n)
+    p = nm.NetMax(0, topo, seed=1)
+    t = np.where(np.arange(n)[:, None] // 2 == np.arange(n)[None, :] // 2, 0.1, 1.0)
+    p.on_event(LinkEstimates(tuple(map(tuple, t))), 0.0)
+    assert p.solves == 1
+    p.on_event(LinkEstimates(tuple(map(tuple, t * 1.1))), 1.0)    # within 20%: keep P
+    assert p.solves == 1
+    p.on_event(LinkEstimates(tuple(map(tuple, t * 2))), 2.0)      # beyond: re-solve
+    assert p.solves == 2
+    picks = []
+    for k in range(200):
+        acts = p.on_event(Published(k), k)
+        (pull,) = [a for a in acts if isinstance(a, Pull)]
+        picks.append(pull.dst)
+        p.on_event(UpdateArrived(pull.dst, 7), k)
+        (mix,) = [a for a in p.on_event(MixRequested(k), k) if isinstance(a, Mix)]
+        assert mix.entries == ((0, k, 0.5), (pull.dst, 7, 0.5))
+    assert picks.count(1) > picks.count(2) and picks.count(1) > picks.count(3)
+    p.on_event(PeerDown(1), 300)
+    assert p.row()[1] == 0 and abs(p.row().sum() - 1) < 1e-12
+
+
+def test_simulated_link_change_triggers_a_resolve_towards_the_new_fast_links():
+    from dataclasses import replace
+
+    from peerd.sim.engine import Simulator
+    from peerd.sim.scenarios import scenario
+
+    spec, _ = scenario("two-sites", 8)
+    n = spec.n
+    same = (np.arange(n)[:, None] // 4) == (np.arange(n)[None, :] // 4)
+    fast = spec.bandwidth.max()
+    flipped = np.where(same, fast / 10, fast)          # now the other site is close
+    spec = replace(spec, estimates="pull", iterations=60, stop_at_target=False,
+                   bandwidth_changes={1.0: flipped})
+    pols = [nm.NetMax(i, T.complete(n), seed=0) for i in range(n)]
+    res = Simulator(spec, pols).run()
+    assert min(res.iterations) >= 60
+    assert all(p.solves == 2 for p in pols)
+    row = pols[0].row()
+    assert row[~same[0]].min() > row[same[0] & (np.arange(n) != 0)].max()
