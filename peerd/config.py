@@ -62,6 +62,49 @@ class Config:
     # --- message limits -----------------------------------------------------------------------
     max_control_message_bytes: int = _f(4 * 1024 * 1024, "largest control-plane message accepted, bytes")
 
+    # --- discovery (mDNS / DNS-SD, peerd/net/discovery.py) -----------------------------------
+    mdns: bool = _f(True, "announce and browse _peerd._tcp.local. on the local network "
+                          "(--no-mdns turns it off; --peer seeds work either way)")
+    interface: str = _f("", "interface name(s) or local IP(s), comma-separated, that mDNS binds to; default: "
+                            "every interface with IPv4 except those matching mdns_skip_interfaces, "
+                            "which are used only when nothing else exists")
+    mdns_skip_interfaces: tuple[str, ...] = _f(("lo", "docker*", "br-*", "veth*"),
+                                               "interface name patterns mDNS avoids by default (fnmatch)")
+    mdns_register_timeout: float = _f(10.0, "seconds to probe for and announce our service name")
+    mdns_resolve_timeout: float = _f(3.0, "seconds to resolve one announced service (SRV, TXT, addresses)")
+    mdns_stop_timeout: float = _f(2.0, "seconds spent sending the goodbye and closing mDNS at shutdown")
+    mdns_max_resolving: int = _f(16, "most announced services resolved concurrently")
+    mdns_max_names: int = _f(4096, "most distinct service names tracked (accepted, pending or ignored)")
+    mdns_max_txt_bytes: int = _f(1024, "largest TXT record accepted from an announcement, bytes")
+
+    # --- link probes and the link matrix (peerd/net/links.py) ---------------------------------
+    link_rtt_interval: float = _f(5.0, "seconds between RTT pings to each peer when no other RTT sample came")
+    link_bw_interval: float = _f(60.0, "shortest seconds between bandwidth probes to a peer whose estimate "
+                                       "is not refreshed by data-plane traffic (stretched to hold the budget)")
+    link_probe_budget: float = _f(0.002, "largest fraction of a link's time bandwidth probes may use "
+                                         "at steady state (0.002 = 0.2 %)")
+    link_probe_seconds: float = _f(0.2, "target duration of one bandwidth probe at the estimated bandwidth")
+    link_probe_rtts: float = _f(8.0, "a bandwidth probe lasts at least this many RTTs, so the RTT is a small error")
+    link_probe_min_bytes: int = _f(64 * 1024, "smallest bandwidth probe, bytes (also the first, unsized probe)")
+    link_probe_max_bytes: int = _f(64 * 1024 * 1024, "largest bandwidth probe, bytes")
+    link_ping_bytes: int = _f(64, "payload of an RTT ping, bytes")
+    link_probe_timeout_min: float = _f(5.0, "least deadline of one probe; longer probes get 4x their expected time")
+    link_ewma_alpha: float = _f(0.25, "weight of a new sample in the link EWMAs (0 < alpha <= 1)")
+    link_change_fraction: float = _f(0.5, "relative deviation of a data-plane sample from the estimate "
+                                          "that triggers an early re-probe")
+    link_rtt_change_floor: float = _f(0.002, "RTT deviations below this many seconds never trigger a re-probe")
+    link_rtt_min_window: float = _f(30.0, "seconds the least RTT seen is kept as the path's base RTT "
+                                          "(used to size probes and taken off transfer times)")
+    link_min_probe_gap: float = _f(2.0, "least seconds between two probes of one kind to one peer")
+    link_warmup_samples: int = _f(3, "bandwidth samples taken link_min_probe_gap apart before the "
+                                     "periodic schedule applies")
+    link_min_transfer_bytes: int = _f(64 * 1024, "smallest data-plane transfer used as a bandwidth sample, bytes")
+    link_min_transfer_seconds: float = _f(0.05, "shortest data-plane transfer (RTT taken off) used as a "
+                                                "bandwidth sample, seconds")
+    link_retry_max: float = _f(60.0, "longest back-off after failed probes to a peer, seconds")
+    link_forget_after: float = _f(900.0, "seconds after which a link estimate nobody refreshed is dropped")
+    link_max_entries: int = _f(16384, "most (measurer, target) entries kept in the link matrix")
+
     # --- data plane (tensor transfers; peerd/net/dataplane.py) ------------------------------------
     dataplane_chunk_bytes: int = _f(1 << 20, "bytes of tensor data per stream message (1 MiB measured best)")
     dataplane_max_transfer_bytes: int = _f(4 << 30, "largest tensor buffer accepted in one transfer, bytes")
@@ -207,6 +250,20 @@ def validate(cfg: Config) -> None:
     if cfg.heartbeat_interval <= 0 or cfg.heartbeat_interval >= cfg.suspect_after:
         raise ConfigError(f"heartbeat_interval ({cfg.heartbeat_interval}) must be >0 and below "
                           f"suspect_after ({cfg.suspect_after})")
+    if not 0 < cfg.link_probe_budget < 0.01:
+        raise ConfigError(f"link_probe_budget ({cfg.link_probe_budget}) must be >0 and below 0.01 (1 %)")
+    if not 0 < cfg.link_ewma_alpha <= 1:
+        raise ConfigError(f"link_ewma_alpha ({cfg.link_ewma_alpha}) must be in (0, 1]")
+    if not 0 < cfg.link_probe_min_bytes <= cfg.link_probe_max_bytes:
+        raise ConfigError(f"link_probe_min_bytes ({cfg.link_probe_min_bytes}) must be >0 and at most "
+                          f"link_probe_max_bytes ({cfg.link_probe_max_bytes})")
+    for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
+                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
+    for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} ({getattr(cfg, name)}) must be >= 1")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ConfigError("tls_cert and tls_key must be given together")
     for addr_field in ("listen",):

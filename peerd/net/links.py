@@ -1,0 +1,567 @@
+"""Link estimates: what this node measured (LinkTable) and the swarm's link matrix (LinkMatrix).
+
+Pure logic, no I/O and no clock: every call takes `now` (seconds, any monotonic origin of this
+host). The daemon runs the probes LinkTable asks for, feeds back what it observed, and puts
+LinkMatrix entries into heartbeat gossip.
+
+Estimates
+- RTT (seconds) and bandwidth (bytes/s, measurer -> target) are exponentially weighted moving
+  averages with an exponentially weighted variance (West/Finch incremental form):
+      d = x - mean;  mean += a*d;  var = (1 - a) * (var + a*d*d)
+  `spread` is sqrt(var), in the unit of the mean. Each estimate keeps its sample count and the
+  time of its last sample, so its age is `now - updated_at`.
+- Bandwidth samples come from probes and from real data-plane transfers alike. A transfer's
+  `seconds` runs from the first byte sent to the peer's acknowledgement, so it contains one RTT;
+  we subtract the base RTT R, but never more than half the transfer time:
+      sample = bytes / max(seconds - R, seconds / 2)
+  R is the least RTT seen within link_rtt_min_window (the path without queues): pings that
+  wait behind bulk traffic measure the queue (on an 8 Mbit/s htb link, ~1 s behind a 1 MiB
+  transfer), which is right for the RTT estimate but would inflate probe sizes and deflate rates.
+  Data-plane transfers smaller than link_min_transfer_bytes, or busy for less than
+  link_min_transfer_seconds after the RTT is taken off, are not samples (they measure latency).
+
+When to probe (due_probes)
+- RTT: a small ping every link_rtt_interval unless some RTT sample arrived meanwhile.
+- Bandwidth: the first probe at once (link_probe_min_bytes, since nothing is known), then
+  link_warmup_samples samples link_min_probe_gap apart, each sized from the estimate so far.
+  A too-short sample (RTT-dominated, or busy < link_probe_seconds / 2 while a bigger probe was
+  allowed) is not trusted: an RTT-floored one is a lower bound, a burst-sized one may overshoot.
+  While the estimate rests only on such samples, a larger short sample or any trustworthy one
+  replaces it instead of being averaged in. Warm-up goes on (probes grow about 16x per step) until
+  a sample is trusted or probes reach link_probe_max_bytes; the estimate of a link whose
+  bandwidth-delay product exceeds that stays a lower bound.
+  Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
+  busy link is rarely probed).
+- Probe size and period, with B the estimated bandwidth and R the base RTT:
+      S = clamp(B * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
+      P = ping_bytes / (B * link_rtt_interval)          (the share RTT pings take, at most budget/2)
+      T = max(link_bw_interval, (S / B) / (link_probe_budget - P))
+  A probe occupies the link for S/B seconds once per T seconds, so the steady-state cost of probes
+  and pings together is (S/B)/T + P <= link_probe_budget (default 0.2 %), whatever B and R are
+  (P is about 5e-6 at 10 Mbit/s). Where the budget cannot hold even then (below ~1 kbit/s) the
+  link is useless for training anyway.
+- Change: a data-plane sample that deviates from the estimate by more than link_change_fraction
+  (for RTT also by more than link_rtt_change_floor) makes a probe of that kind due at once, but no
+  sooner than link_min_probe_gap after the previous one. If that probe deviates the same way, the
+  estimate restarts from it (a level shift) instead of crawling there at rate a.
+- A failed probe backs off exponentially from link_min_probe_gap up to link_retry_max. A probe the
+  daemon never reports on expires at its deadline and counts as failed. Liveness is not decided
+  here: the failure detector owns it, and the daemon removes dead peers.
+
+The matrix and gossip
+- LinkMatrix holds (measurer, target) -> entry for the whole swarm. Entries cross hosts with their
+  age relative to the sender's now (`age_s`), never as timestamps, so clock skew does not matter;
+  the receiver turns an age into its own clock as `now - age_s`. The newer entry wins. This node's
+  own rows come only from its LinkTable, never from gossip. Entries older than link_forget_after
+  are dropped; at most link_max_entries are kept (the oldest go first).
+- The dict form of one entry uses the field names of peer.proto's LinkEntry: measurer, target,
+  bandwidth_bps (bytes/s, as that proto documents), bandwidth_spread_bps, rtt_s, rtt_spread_s,
+  samples, age_s. Zero means "not measured".
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from peerd.config import Config
+
+RTT, BW = "rtt", "bw"
+MAX_ID_LEN = 128
+MAX_BANDWIDTH = 1e13          # bytes/s (80 Tbit/s): anything above is garbage
+MAX_RTT = 600.0               # seconds
+MAX_SAMPLES = 2**32 - 1
+
+
+# ---- estimates ----------------------------------------------------------------------------------
+
+@dataclass
+class Ewma:
+    """Exponentially weighted mean and variance; the first sample sets the mean."""
+    mean: float = 0.0
+    var: float = 0.0
+    n: int = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        if self.n == 0:
+            self.mean, self.var = x, 0.0
+        else:
+            d = x - self.mean
+            self.mean += alpha * d
+            self.var = (1 - alpha) * (self.var + alpha * d * d)
+        self.n += 1
+
+    def restart(self, x: float) -> None:
+        """A level shift: forget the old level, keep counting samples."""
+        self.mean, self.var = x, 0.0
+        self.n += 1
+
+    @property
+    def spread(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+
+@dataclass
+class LinkEstimate:
+    """This node's estimate of its link to one peer."""
+    rtt: Ewma = field(default_factory=Ewma)          # seconds
+    bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer
+    rtt_at: float | None = None                      # time of the last RTT sample
+    bw_at: float | None = None                       # time of the last bandwidth sample
+    rtt_min: float = 0.0                             # least RTT seen lately: the path without queues
+    rtt_min_at: float = -math.inf
+
+    @property
+    def base_rtt(self) -> float:
+        """The RTT without queueing, for sizing probes and taking the RTT off transfer times."""
+        return self.rtt_min if self.rtt.n else 0.0
+
+    @property
+    def samples(self) -> int:
+        return self.rtt.n + self.bw.n
+
+    @property
+    def updated_at(self) -> float | None:
+        times = [t for t in (self.rtt_at, self.bw_at) if t is not None]
+        return max(times) if times else None
+
+    def age(self, now: float) -> float | None:
+        t = self.updated_at
+        return None if t is None else max(0.0, now - t)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe the daemon should run now: a ping (`rtt`) or a timed bulk transfer (`bw`)."""
+    peer: str
+    kind: str                  # RTT or BW
+    size_bytes: int            # payload to send
+    deadline_s: float          # give up after this long (report it with probe_failed)
+
+
+@dataclass
+class _Schedule:
+    started: float | None = None      # a probe in flight since
+    deadline: float = 0.0
+    last_start: float = -math.inf
+    failures: int = 0
+    retry_at: float = -math.inf
+    change_at: float | None = None    # a data-plane sample disagreed with the estimate at
+    change_sign: int = 0
+    short: bool = False               # the estimate rests only on too-short bandwidth samples
+    last_bytes: int = 0               # size of the last bandwidth sample
+
+
+class LinkTable:
+    """This node's own link measurements, and the decision when to measure again."""
+
+    def __init__(self, self_id: str, cfg: Config | None = None) -> None:
+        self.self_id = self_id
+        self.cfg = cfg or Config()
+        self.links: dict[str, LinkEstimate] = {}
+        self._sched: dict[tuple[str, str], _Schedule] = {}
+
+    # -- peers --
+
+    def add_peer(self, peer: str) -> None:
+        """Measure this peer from now on (idempotent). Bounded by cfg.max_peers."""
+        if peer == self.self_id or peer in self.links:
+            return
+        if len(self.links) >= self.cfg.max_peers:
+            raise ValueError(f"link table full: max_peers={self.cfg.max_peers}")
+        self.links[peer] = LinkEstimate()
+        for kind in (RTT, BW):
+            self._sched[(peer, kind)] = _Schedule()
+
+    def remove_peer(self, peer: str) -> None:
+        self.links.pop(peer, None)
+        for kind in (RTT, BW):
+            self._sched.pop((peer, kind), None)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self.links)
+
+    def estimate(self, peer: str) -> LinkEstimate | None:
+        return self.links.get(peer)
+
+    # -- observations --
+
+    def observe_rtt(self, peer: str, seconds: float, now: float, probe: bool = True) -> bool:
+        """One round-trip time; `probe=False` for RTTs seen on other traffic. False if unusable."""
+        est = self.links.get(peer)
+        if est is None:
+            return False
+        if not 0 < seconds <= MAX_RTT:
+            if probe:
+                self.probe_failed(peer, RTT, now)
+            return False
+        sched = self._sched[(peer, RTT)]
+        floor = self.cfg.link_rtt_change_floor
+        self._fold(est.rtt, seconds, sched, probe, now, floor)
+        est.rtt_at = now
+        if est.rtt.n == 1 or seconds <= est.rtt_min or now - est.rtt_min_at > self.cfg.link_rtt_min_window:
+            est.rtt_min, est.rtt_min_at = seconds, now
+        return True
+
+    def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float, probe: bool = False) -> bool:
+        """A timed transfer to `peer` (first byte sent .. acknowledged). False if not used as a sample."""
+        est = self.links.get(peer)
+        if est is None or (not probe and nbytes < self.cfg.link_min_transfer_bytes):
+            return False
+        rtt = est.base_rtt
+        ok = nbytes > 0 and 0 < seconds < math.inf
+        busy = max(seconds - rtt, seconds / 2) if ok else 0.0
+        rate = nbytes / busy if ok else 0.0
+        if not 0 < rate <= MAX_BANDWIDTH:
+            if probe:
+                self.probe_failed(peer, BW, now)
+            return False
+        if not probe and busy < self.cfg.link_min_transfer_seconds:
+            return False                              # latency-dominated: says little about bandwidth
+        sched = self._sched[(peer, BW)]
+        # Too short to trust: RTT-dominated (the floor above applied), or under half a probe's time
+        # when a bigger probe was allowed (the first probe, small traffic: bursts and buffers rule).
+        short = seconds - rtt < seconds / 2 or (
+            busy < self.cfg.link_probe_seconds / 2 and nbytes < self.cfg.link_probe_max_bytes)
+        if sched.short and (not short or rate > est.bw.mean):
+            # The estimate so far rests on too-short samples: a trustworthy one replaces it, and so
+            # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
+            est.bw.restart(rate)
+            self._settle(sched, probe)
+        else:
+            self._fold(est.bw, rate, sched, probe, now, 0.0)
+        sched.short = short and est.bw.n == 1 or (sched.short and short)
+        sched.last_bytes = nbytes
+        est.bw_at = now
+        return True
+
+    def _settle(self, sched: _Schedule, probe: bool) -> None:
+        if probe:
+            sched.started = None
+            sched.failures = 0
+            sched.retry_at = -math.inf
+            sched.change_at = None
+
+    def _fold(self, ewma: Ewma, x: float, sched: _Schedule, probe: bool, now: float, floor: float) -> None:
+        a = self.cfg.link_ewma_alpha
+        dev = x - ewma.mean
+        off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
+        sign = (dev > 0) - (dev < 0)
+        if probe:
+            if sched.change_at is not None and off and sign == sched.change_sign:
+                ewma.restart(x)                      # the probe confirms the change
+            else:
+                ewma.add(x, a)
+            self._settle(sched, probe)
+            return
+        ewma.add(x, a)
+        if off and sched.change_at is None:
+            sched.change_at, sched.change_sign = now, sign
+
+    def probe_failed(self, peer: str, kind: str, now: float) -> None:
+        """The probe errored or hit its deadline (peer down, stream reset): back off."""
+        sched = self._sched.get((peer, kind))
+        if sched is None:
+            return
+        sched.started = None
+        sched.failures += 1
+        backoff = self.cfg.link_min_probe_gap * 2 ** min(sched.failures, 30)
+        sched.retry_at = now + min(self.cfg.link_retry_max, backoff)
+
+    # -- scheduling --
+
+    def probe_size(self, peer: str) -> int:
+        """S = clamp(B * max(probe_seconds, probe_rtts * R), min_bytes, max_bytes)."""
+        cfg = self.cfg
+        est = self.links[peer]
+        if est.bw.n == 0 or est.bw.mean <= 0:
+            return cfg.link_probe_min_bytes
+        duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
+        return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, est.bw.mean * duration)))
+
+    def bw_period(self, peer: str) -> float:
+        """T = max(link_bw_interval, (S / B) / (budget - pings)): the steady-state probe period.
+
+        `pings` = ping_bytes / (B * link_rtt_interval) is the share RTT pings take, so pings and
+        bandwidth probes together stay within link_probe_budget (pings get at most half of it).
+        """
+        cfg = self.cfg
+        est = self.links[peer]
+        if est.bw.n == 0 or est.bw.mean <= 0:
+            return cfg.link_bw_interval
+        pings = min(cfg.link_probe_budget / 2, cfg.link_ping_bytes / (est.bw.mean * cfg.link_rtt_interval))
+        busy = self.probe_size(peer) / est.bw.mean
+        return max(cfg.link_bw_interval, busy / (cfg.link_probe_budget - pings))
+
+    def _due_at(self, peer: str, kind: str) -> float:
+        cfg = self.cfg
+        est = self.links[peer]
+        sched = self._sched[(peer, kind)]
+        soonest = max(sched.retry_at, sched.last_start + cfg.link_min_probe_gap)
+        if kind == RTT:
+            due = -math.inf if est.rtt_at is None else est.rtt_at + cfg.link_rtt_interval
+        elif est.bw_at is None:
+            due = -math.inf
+        elif est.bw.n < cfg.link_warmup_samples or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
+            due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
+        else:
+            due = est.bw_at + self.bw_period(peer)
+        if sched.change_at is not None:
+            due = min(due, sched.change_at)
+        return max(due, soonest)
+
+    def next_due(self, now: float) -> float | None:
+        """When due_probes may next return something (for the daemon's timer); None: no peers."""
+        times = [self._due_at(p, k) for p in self.links for k in (RTT, BW)
+                 if self._sched[(p, k)].started is None]
+        inflight = [s.deadline for s in self._sched.values() if s.started is not None]
+        return min(times + inflight, default=None)
+
+    def due_probes(self, now: float) -> list[Probe]:
+        """Probes to start now; each is marked in flight until observed, failed or past its deadline."""
+        out: list[Probe] = []
+        for peer in self.links:
+            for kind in (RTT, BW):
+                sched = self._sched[(peer, kind)]
+                if sched.started is not None:
+                    if now < sched.deadline:
+                        continue
+                    self.probe_failed(peer, kind, now)      # never reported: count it as failed
+                if now < self._due_at(peer, kind):
+                    continue
+                size = self.cfg.link_ping_bytes if kind == RTT else self.probe_size(peer)
+                deadline = self._deadline(peer, kind, size)
+                sched.started, sched.last_start, sched.deadline = now, now, now + deadline
+                out.append(Probe(peer, kind, size, deadline))
+        return out
+
+    def _deadline(self, peer: str, kind: str, size: int) -> float:
+        est = self.links[peer]
+        expected = est.rtt.mean if est.rtt.n else 0.0
+        if kind == BW and est.bw.n and est.bw.mean > 0:
+            expected += size / est.bw.mean
+        return max(self.cfg.link_probe_timeout_min, 4 * expected)
+
+
+# ---- the swarm's matrix -----------------------------------------------------------------------
+
+@dataclass
+class MatrixEntry:
+    bandwidth_bps: float          # bytes/s, measurer -> target; 0 when not measured
+    bandwidth_spread_bps: float
+    rtt_s: float                  # 0 when not measured
+    rtt_spread_s: float
+    samples: int
+    updated_at: float             # this host's clock
+
+    def to_dict(self, measurer: str, target: str, now: float) -> dict[str, Any]:
+        return {"measurer": measurer, "target": target, "bandwidth_bps": self.bandwidth_bps,
+                "bandwidth_spread_bps": self.bandwidth_spread_bps, "rtt_s": self.rtt_s,
+                "rtt_spread_s": self.rtt_spread_s, "samples": self.samples,
+                "age_s": max(0.0, now - self.updated_at)}
+
+
+class BadEntry(ValueError):
+    """A gossiped link entry that is not accepted; the message names the field."""
+
+
+def _num(d: Mapping[str, Any], key: str, hi: float) -> float:
+    v = d.get(key, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= hi:
+        raise BadEntry(f"{key}={v!r} is not a number in [0, {hi:g}]")
+    return float(v)
+
+
+def _node(d: Mapping[str, Any], key: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_LEN or not v.isprintable():
+        raise BadEntry(f"{key}={str(v)[:40]!r} is not a node id")
+    return v
+
+
+class LinkMatrix:
+    """The whole swarm's link estimates, merged from this node's table and peers' gossip."""
+
+    def __init__(self, self_id: str, cfg: Config | None = None) -> None:
+        self.self_id = self_id
+        self.cfg = cfg or Config()
+        self.entries: dict[tuple[str, str], MatrixEntry] = {}
+
+    def absorb(self, table: LinkTable) -> None:
+        """Copy this node's own estimates in (they are authoritative for its rows)."""
+        for (m, t) in [k for k in self.entries if k[0] == self.self_id and k[1] not in table.links]:
+            del self.entries[(m, t)]
+        for peer, est in table.links.items():
+            at = est.updated_at
+            if at is None:
+                continue
+            self.entries[(self.self_id, peer)] = MatrixEntry(
+                est.bw.mean if est.bw.n else 0.0, est.bw.spread, est.rtt.mean if est.rtt.n else 0.0,
+                est.rtt.spread, min(est.samples, MAX_SAMPLES), at)
+        self._bound()
+
+    def merge(self, entries: Iterable[Mapping[str, Any]], now: float) -> tuple[int, list[str]]:
+        """Fold gossiped entries in; newer wins. Returns (entries taken, reasons for those refused)."""
+        taken, refused = 0, []
+        for i, d in enumerate(entries):
+            if i >= self.cfg.link_max_entries:
+                refused.append(f"more than link_max_entries={self.cfg.link_max_entries} entries")
+                break
+            try:
+                if not isinstance(d, Mapping):
+                    raise BadEntry(f"entry is a {type(d).__name__}, not a mapping")
+                m, t = _node(d, "measurer"), _node(d, "target")
+                if m == t:
+                    raise BadEntry(f"measurer and target are both {m!r}")
+                age = _num(d, "age_s", math.inf)
+                samples = d.get("samples", 0)
+                if isinstance(samples, bool) or not isinstance(samples, int) or not 0 <= samples <= MAX_SAMPLES:
+                    raise BadEntry(f"samples={samples!r} is not a count")
+                entry = MatrixEntry(_num(d, "bandwidth_bps", MAX_BANDWIDTH),
+                                    _num(d, "bandwidth_spread_bps", MAX_BANDWIDTH),
+                                    _num(d, "rtt_s", MAX_RTT), _num(d, "rtt_spread_s", MAX_RTT),
+                                    samples, now - age)
+            except BadEntry as e:
+                refused.append(str(e))
+                continue
+            if m == self.self_id or age > self.cfg.link_forget_after:
+                continue                                   # ours come from our table; stale ones die
+            old = self.entries.get((m, t))
+            if old is None or entry.updated_at > old.updated_at:
+                self.entries[(m, t)] = entry
+                taken += 1
+        self._bound()
+        return taken, refused
+
+    def expire(self, now: float) -> None:
+        """Drop entries nobody refreshed for link_forget_after seconds."""
+        limit = now - self.cfg.link_forget_after
+        for k in [k for k, e in self.entries.items() if e.updated_at < limit]:
+            del self.entries[k]
+
+    def remove_node(self, node: str) -> None:
+        """Forget a node's rows and column (the daemon forgot the node)."""
+        for k in [k for k in self.entries if node in k]:
+            del self.entries[k]
+
+    def _bound(self) -> None:
+        excess = len(self.entries) - self.cfg.link_max_entries
+        if excess > 0:
+            oldest = sorted((e.updated_at, k) for k, e in self.entries.items() if k[0] != self.self_id)
+            for _, k in oldest[:excess]:
+                del self.entries[k]
+
+    def get(self, measurer: str, target: str) -> MatrixEntry | None:
+        return self.entries.get((measurer, target))
+
+    def bandwidth(self, a: str, b: str, symmetric: bool = True) -> float | None:
+        """Estimated bytes/s from a to b; with `symmetric`, b's measurement towards a as a fallback."""
+        for key in ((a, b), (b, a)) if symmetric else ((a, b),):
+            e = self.entries.get(key)
+            if e is not None and e.bandwidth_bps > 0:
+                return e.bandwidth_bps
+        return None
+
+    def rtt(self, a: str, b: str) -> float | None:
+        """Round-trip time between a and b as measured by either (the fresher one)."""
+        found = [e for e in (self.entries.get((a, b)), self.entries.get((b, a))) if e and e.rtt_s > 0]
+        return max(found, key=lambda e: e.updated_at).rtt_s if found else None
+
+    def expected_times(self, nodes: list[str], nbytes: int, unknown: float = math.inf) -> list[list[float]]:
+        """times[i][j]: seconds until nodes[j]'s `nbytes` arrive at nodes[i] (half an RTT plus
+        nbytes over the bandwidth j -> i; i's own measurement towards j when j's is missing). The
+        shape peerd.sync's LinkEstimates takes. `unknown` where neither side measured; 0 on the
+        diagonal."""
+        out = []
+        for i, dst in enumerate(nodes):
+            row = []
+            for j, src in enumerate(nodes):
+                if i == j:
+                    row.append(0.0)
+                    continue
+                bw = self.bandwidth(src, dst)
+                rtt = self.rtt(src, dst) or 0.0
+                row.append(unknown if bw is None else rtt / 2 + nbytes / bw)
+            out.append(row)
+        return out
+
+    def to_entries(self, now: float, limit: int | None = None,
+                   newer_than: float | None = None) -> list[dict[str, Any]]:
+        """Entries in gossip form (LinkEntry fields, ages relative to `now`), own rows first, then
+        the freshest. `limit` caps how many (gossip budget); `newer_than` (this host's clock) keeps
+        only entries updated after it, for delta gossip: send each peer what changed since the
+        last heartbeat to it, and everything now and then. The full matrix every heartbeat costs
+        N^2 entries (~85 bytes each on the wire) per peer per interval: 64 nodes -> ~340 kB."""
+        keys = [k for k, e in self.entries.items() if newer_than is None or e.updated_at > newer_than]
+        keys.sort(key=lambda k: (k[0] != self.self_id, -self.entries[k].updated_at))
+        if limit is not None:
+            keys = keys[:limit]
+        return [self.entries[k].to_dict(*k, now) for k in keys]
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        """The whole matrix as the Links control reply carries it: {"node_id", "links": [...]}."""
+        return {"node_id": self.self_id, "links": self.to_entries(now)}
+
+
+# ---- `peerd links` rendering ---------------------------------------------------------------------
+
+def _label(ids: list[str]) -> dict[str, str]:
+    short = {n: n if len(n) <= 12 else n[:11] + "~" for n in ids}
+    if len(set(short.values())) == len(ids):
+        return short
+    return {n: f"n{i}" for i, n in enumerate(ids)}
+
+
+def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
+    """Render {"node_id", "links": [LinkEntry-like dicts]} as tables (Mbit/s, ms, age) or JSON.
+
+    Missing fields count as 0 (protobuf's MessageToDict omits zeros). Rows measure towards columns.
+    """
+    me = str(matrix.get("node_id", ""))
+    rows = []
+    for d in matrix.get("links", []) or []:
+        get = lambda k: float(d.get(k, 0) or 0)  # noqa: E731
+        rows.append({"measurer": str(d.get("measurer", "")), "target": str(d.get("target", "")),
+                     "mbit_s": get("bandwidth_bps") * 8 / 1e6,
+                     "mbit_s_spread": get("bandwidth_spread_bps") * 8 / 1e6,
+                     "rtt_ms": get("rtt_s") * 1e3, "rtt_ms_spread": get("rtt_spread_s") * 1e3,
+                     "age_s": get("age_s"), "samples": int(d.get("samples", 0) or 0)})
+    rows.sort(key=lambda r: (r["measurer"], r["target"]))
+    if fmt == "json":
+        return json.dumps({"node_id": me, "links": rows}, indent=2)
+    if fmt != "text":
+        raise ValueError(f"fmt {fmt!r}: expected 'text' or 'json'")
+    nodes = sorted({r["measurer"] for r in rows} | {r["target"] for r in rows})
+    if me in nodes:
+        nodes.remove(me)
+        nodes.insert(0, me)
+    if not rows:
+        return f"links seen by {me or '?'}: no link measured yet\n"
+    cell = {(r["measurer"], r["target"]): r for r in rows}
+    lab = _label(nodes)
+    width = max(8, *(len(v) for v in lab.values())) + 2
+    out = [f"links seen by {me}: {len(nodes)} nodes, {len(rows)} measured links "
+           f"(each row measures towards each column)"]
+
+    def table(title: str, fn) -> None:
+        out.append("")
+        out.append(title)
+        out.append("from \\ to".ljust(width) + "".join(lab[n].rjust(width) for n in nodes))
+        for m in nodes:
+            line = lab[m].ljust(width)
+            for t in nodes:
+                r = cell.get((m, t))
+                line += ("-" if m == t else "." if r is None else fn(r)).rjust(width)
+            out.append(line)
+
+    table("bandwidth, Mbit/s", lambda r: f"{r['mbit_s']:.1f}" if r["mbit_s"] > 0 else "?")
+    table("rtt, ms", lambda r: f"{r['rtt_ms']:.2f}" if r["rtt_ms"] > 0 else "?")
+    table("age, s (since the measurer last updated it)", lambda r: f"{r['age_s']:.0f}")
+    if any(lab[n] != n for n in nodes):
+        out.append("")
+        out.extend(f"{lab[n]} = {n}" for n in nodes)
+    out.append("")
+    out.append(". not measured   ? measured, no sample of that kind yet")
+    return "\n".join(out) + "\n"

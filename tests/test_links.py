@@ -1,0 +1,383 @@
+"""Link estimates, probe scheduling and the gossiped link matrix (pure logic, time as an argument)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from google.protobuf.json_format import MessageToDict
+from hypothesis import given, settings, strategies as st
+
+from peerd.config import Config
+from peerd.net.links import BW, RTT, Ewma, LinkMatrix, LinkTable, render_links
+from peerd.v1 import control_pb2, peer_pb2
+
+CFG = Config()
+
+
+def steady(table: LinkTable, peer: str, bw: float, rtt: float, now: float = 0.0, rounds: int = 8) -> float:
+    """Answer every probe with the true link for a while; returns the time reached."""
+    for _ in range(rounds):
+        for p in table.due_probes(now):
+            run(table, p, bw, rtt, now)
+        now = max(now + 0.1, table.next_due(now) or now + 1)
+    return now
+
+
+def run(table, p, bw, rtt, now):
+    if p.kind == RTT:
+        table.observe_rtt(p.peer, rtt, now)
+    else:
+        table.observe_transfer(p.peer, p.size_bytes, rtt + p.size_bytes / bw, now, probe=True)
+
+
+# ---- EWMA ------------------------------------------------------------------------------------
+
+def test_ewma_constant_input_has_no_spread():
+    e = Ewma()
+    for _ in range(20):
+        e.add(3.0, 0.25)
+    assert e.mean == 3.0 and e.spread == 0.0 and e.n == 20
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(1e-4, 1e10), st.floats(0.01, 0.3), st.integers(0, 2**32))
+def test_ewma_converges_to_mean_and_spread(mu, rel_sd, seed):
+    rng = random.Random(seed)
+    e = Ewma()
+    means, spreads = [], []
+    for i in range(4000):
+        e.add(rng.gauss(mu, rel_sd * mu), 0.1)
+        if i >= 1000:
+            means.append(e.mean)
+            spreads.append(e.spread)
+    avg_mean = sum(means) / len(means)
+    avg_spread = sum(spreads) / len(spreads)
+    assert abs(avg_mean - mu) < 0.05 * mu
+    # EW variance is a biased-low estimate (factor ~ 1 - a/2); a loose band is what matters here.
+    assert 0.7 * rel_sd * mu < avg_spread < 1.2 * rel_sd * mu
+
+
+def test_ewma_follows_a_step():
+    e = Ewma()
+    for _ in range(10):
+        e.add(100.0, 0.25)
+    for _ in range(30):
+        e.add(50.0, 0.25)
+    assert abs(e.mean - 50.0) < 0.1
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+def test_first_probes_are_immediate_and_age_counts_from_the_last_sample():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    probes = {p.kind: p for p in t.due_probes(100.0)}
+    assert probes[RTT].size_bytes == CFG.link_ping_bytes
+    assert probes[BW].size_bytes == CFG.link_probe_min_bytes
+    assert t.due_probes(100.0) == []                      # in flight: not handed out twice
+    t.observe_rtt("b", 0.02, 100.5)
+    assert t.estimate("b").age(103.0) == pytest.approx(2.5)
+    t.observe_transfer("b", 1_000_000, 0.02 + 0.1, 101.0, probe=True)
+    est = t.estimate("b")
+    assert est.bw.mean == pytest.approx(1e7)               # the RTT is subtracted
+    assert est.age(103.0) == pytest.approx(2.0) and est.samples == 2
+
+
+def test_unknown_peer_self_and_bad_samples_are_refused():
+    t = LinkTable("a", CFG)
+    t.add_peer("a")
+    assert t.peers == []
+    t.add_peer("b")
+    assert not t.observe_rtt("zz", 0.1, 0.0)
+    assert not t.observe_rtt("b", -1.0, 0.0) and not t.observe_rtt("b", math.nan, 0.0)
+    assert not t.observe_transfer("b", 10, 1.0, 0.0)       # too small for a data-plane sample
+    assert not t.observe_transfer("b", 10**6, 0.0, 0.0) and not t.observe_transfer("b", 10**6, math.inf, 0.0)
+    assert t.estimate("b").samples == 0
+
+
+def test_probe_size_and_period_formula():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt = 1.25e6, 0.05                               # 10 Mbit/s, 50 ms
+    steady(t, "b", bw, rtt)
+    s = t.probe_size("b")
+    assert s == pytest.approx(bw * max(CFG.link_probe_seconds, CFG.link_probe_rtts * rtt), rel=0.01)
+    assert t.bw_period("b") == pytest.approx(max(CFG.link_bw_interval, s / bw / CFG.link_probe_budget), rel=0.01)
+    t2 = LinkTable("a", CFG)
+    t2.add_peer("b")
+    steady(t2, "b", 1.25e9, 0.0002)                      # 10 Gbit/s: capped at link_probe_max_bytes
+    assert t2.probe_size("b") == CFG.link_probe_max_bytes
+
+
+@pytest.mark.parametrize("bw,rtt", [(1.25e5, 0.3), (1.25e6, 0.05), (1.25e8, 0.25), (1.25e9, 0.0002)])
+def test_warm_up_reaches_the_true_bandwidth_from_a_short_first_probe(bw, rtt):
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now = 0.0
+    while now < 30.0:                                          # warm-up probes are 2 s apart
+        for p in t.due_probes(now):
+            run(t, p, bw, rtt, now)
+        now = t.next_due(now)
+    n = t.estimate("b").bw.n
+    assert CFG.link_warmup_samples <= n <= 6                  # short probes grow ~16x per step
+    assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.02)
+
+
+def test_queueing_delay_does_not_inflate_probes_but_a_new_path_does_count():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now = steady(t, "b", 1e6, 0.002)
+    size = t.probe_size("b")
+    for _ in range(5):                                      # pings stuck behind bulk data: 0.9 s
+        now += 1.0
+        t.observe_rtt("b", 0.9, now, probe=False)
+    est = t.estimate("b")
+    assert est.rtt.mean > 0.5 and est.base_rtt == 0.002     # experienced RTT vs path RTT
+    assert t.probe_size("b") == size
+    t.observe_transfer("b", 1_000_000, 0.002 + 1.0, now)   # the RTT taken off is the path's
+    assert est.bw.mean == pytest.approx(1e6, rel=0.01)
+    now += CFG.link_rtt_min_window + 1                      # a longer path for good
+    t.observe_rtt("b", 0.05, now)
+    assert est.base_rtt == 0.05
+
+
+def test_a_bursty_first_sample_does_not_linger():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    t.observe_rtt("b", 0.002, 0.0)
+    t.observe_transfer("b", 65536, 0.002 + 65536 / 2e7, 0.0, probe=True)   # 2x too fast: a burst
+    t.observe_transfer("b", 2_000_000, 0.002 + 2_000_000 / 1e7, 2.0, probe=True)
+    assert t.estimate("b").bw.mean == pytest.approx(1e7, rel=0.01)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(1e5, 5e9), st.floats(1e-4, 0.3), st.floats(0.0, 0.2), st.integers(0, 2**32))
+def test_probing_costs_well_under_one_percent_at_steady_state(bw, rtt, noise, seed):
+    rng = random.Random(seed)
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now, warmup, horizon = 0.0, 1800.0, 4 * 3600.0
+    bw_starts, bw_busy, ping_busy = [], [], 0.0
+    while now < horizon:
+        for p in t.due_probes(now):
+            took = p.size_bytes / (bw * (1 + rng.uniform(-noise, noise)))
+            if p.kind == BW:
+                t.observe_transfer(p.peer, p.size_bytes, rtt + took, now, probe=True)
+                if now >= warmup:
+                    bw_starts.append(now)
+                    bw_busy.append(took)
+            else:
+                t.observe_rtt(p.peer, rtt, now)
+                ping_busy += took if now >= warmup else 0.0
+        now = max(now + 0.01, t.next_due(now))
+    assert len(bw_starts) >= 3                             # the estimate is kept fresh ...
+    # Whole probe periods only, so the window's edges do not count a fraction of a period twice.
+    bw_share = sum(bw_busy[:-1]) / (bw_starts[-1] - bw_starts[0])
+    fraction = bw_share + ping_busy / (horizon - warmup)
+    assert fraction <= CFG.link_probe_budget * (1 + 2 * noise) + 1e-6
+    assert fraction < 0.01
+    gaps = [b - a for a, b in zip(bw_starts, bw_starts[1:])]
+    assert max(gaps) <= t.bw_period("b") * (1 + 2 * noise) + 1.0   # ... on schedule
+
+
+def answer(t, now, bw, rtt):
+    """Run every due probe against the true link; returns the kinds run."""
+    kinds = []
+    for p in t.due_probes(now):
+        run(t, p, bw, rtt, now)
+        kinds.append(p.kind)
+    return kinds
+
+
+def test_data_plane_traffic_replaces_probes():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt = 1.25e8, 0.001
+    now = steady(t, "b", bw, rtt)
+    kinds = []
+    for _ in range(360):                                    # an hour of transfers every 10 s
+        now += 10.0
+        assert t.observe_transfer("b", 16 << 20, rtt + (16 << 20) / bw, now)
+        kinds += answer(t, now, bw, rtt)
+    assert BW not in kinds and kinds.count(RTT) >= 300      # pings go on, bulk probes are not needed
+    assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.01)
+
+
+def test_change_detection_triggers_a_reprobe_and_a_confirmed_change_resets():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt = 1.25e8, 0.001
+    now = steady(t, "b", bw, rtt) + 1.0
+    while answer(t, now, bw, rtt):                          # drain anything pending
+        now += 0.5
+    now += CFG.link_min_probe_gap
+    assert BW not in answer(t, now, bw, rtt)
+    # The link dropped to a third: a real transfer shows it.
+    t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3), now)
+    assert answer(t, now, bw / 3, rtt).count(BW) == 1
+    assert t.estimate("b").bw.mean == pytest.approx(bw / 3, rel=0.01)   # confirmed: restarted there
+    # Noise: one slow transfer that the probe does not confirm folds in, no reset.
+    now += 10 * CFG.link_min_probe_gap
+    t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 30), now)
+    assert answer(t, now, bw / 3, rtt).count(BW) == 1
+    assert t.estimate("b").bw.mean < bw / 3 * 0.9           # folded, not restarted at the probe
+    # An in-band deviation triggers nothing.
+    now += 10 * CFG.link_min_probe_gap
+    t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3.3), now)
+    assert BW not in answer(t, now, bw / 3, rtt)
+    # RTT jumps past the floor: an early ping; a tiny jump below the floor does not count.
+    now += CFG.link_min_probe_gap
+    t.observe_rtt("b", rtt * 1.9, now, probe=False)
+    assert RTT not in answer(t, now, bw / 3, rtt)
+    t.observe_rtt("b", 0.080, now, probe=False)
+    assert answer(t, now, bw / 3, rtt).count(RTT) == 1
+
+
+def test_failures_back_off_and_unreported_probes_expire():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    (p,) = [p for p in t.due_probes(0.0) if p.kind == RTT]
+    t.probe_failed("b", RTT, 1.0)
+    assert [x for x in t.due_probes(1.0 + CFG.link_min_probe_gap * 2 - 0.01) if x.kind == RTT] == []
+    assert [x for x in t.due_probes(1.0 + CFG.link_min_probe_gap * 2) if x.kind == RTT]
+    now = 10.0
+    gaps = []
+    for _ in range(12):                                      # never reported: deadline = failure
+        due = t.next_due(now)
+        now = max(now, due)
+        ps = [x for x in t.due_probes(now) if x.kind == RTT]
+        if ps:
+            gaps.append(now)
+        now += 0.01
+    spacing = [b - a for a, b in zip(gaps, gaps[1:])]
+    assert spacing == sorted(spacing) and spacing[-1] <= CFG.link_retry_max + CFG.link_probe_timeout_min + 0.1
+    t.remove_peer("b")
+    assert t.due_probes(now) == [] and t.next_due(now) is None
+
+
+# ---- the matrix --------------------------------------------------------------------------------
+
+def entry(m, t, age, bw=1e6, rtt=0.01, n=3):
+    return {"measurer": m, "target": t, "bandwidth_bps": bw, "bandwidth_spread_bps": 0.0,
+            "rtt_s": rtt, "rtt_spread_s": 0.0, "samples": n, "age_s": age}
+
+
+def test_gossip_form_matches_the_proto_and_survives_clock_skew():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    steady(t, "b", 1.25e6, 0.02)
+    sender = LinkMatrix("a", CFG)
+    sender.absorb(t)
+    skew = 1e6                                               # the receiver's clock is far away
+    wire = [peer_pb2.LinkEntry(**d) for d in sender.to_entries(now=50.0)]   # exact field names
+    receiver = LinkMatrix("c", CFG)
+    got = [MessageToDict(e, preserving_proto_field_name=True) for e in wire]
+    assert receiver.merge(got, now=50.0 + skew) == (1, [])
+    (back,) = receiver.to_entries(now=50.0 + skew + 2.0)
+    (orig,) = sender.to_entries(now=52.0)
+    assert back["age_s"] == pytest.approx(orig["age_s"])
+    assert back["bandwidth_bps"] == pytest.approx(1.25e6, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("bcd"), st.sampled_from("bcde"), st.floats(0, 500),
+                          st.floats(1, 1e9), st.floats(0, 1000)), max_size=40))
+def test_merge_newest_wins_whatever_the_order(gossip):
+    # (measurer, target, age at send, bandwidth, receive time)
+    m = LinkMatrix("a", CFG)
+    best: dict = {}
+    for meas, targ, age, bw, at in sorted(gossip, key=lambda g: g[4]):
+        if meas == targ:
+            continue
+        m.merge([entry(meas, targ, age, bw)], now=at)
+        born = at - age
+        if (meas, targ) not in best or born > best[(meas, targ)][0]:
+            best[(meas, targ)] = (born, bw)
+    assert {k: e.bandwidth_bps for k, e in m.entries.items()} == {k: v[1] for k, v in best.items()}
+
+
+def test_own_rows_are_never_overwritten_by_gossip():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    t.observe_rtt("b", 0.01, 10.0)
+    m = LinkMatrix("a", CFG)
+    m.absorb(t)
+    m.merge([entry("a", "b", 0.0, bw=5.0, rtt=9.0)], now=100.0)
+    assert m.get("a", "b").rtt_s == 0.01
+    t.remove_peer("b")
+    m.absorb(t)
+    assert m.get("a", "b") is None
+
+
+def test_bad_entries_are_refused_with_reasons_and_size_is_bounded():
+    cfg = Config(link_max_entries=50)
+    m = LinkMatrix("a", cfg)
+    bad = [entry("b", "b", 1), entry("b", "c", -1), entry("b", "c", math.nan),
+           entry("b", "c", 1, bw=1e20), entry("b", "c", 1, rtt=math.inf), {**entry("b", "c", 1), "samples": True},
+           {**entry("b", "c", 1), "measurer": 7}, {**entry("b", "c", 1), "target": "x" * 500}, "garbage"]
+    taken, refused = m.merge(bad, now=10.0)
+    assert taken == 0 and len(refused) == len(bad)
+    assert any("age_s" in r for r in refused) and any("measurer" in r for r in refused)
+    many = [entry(f"n{i}", f"n{i + 1}", age=float(i)) for i in range(200)]
+    taken, refused = m.merge(many, now=1000.0)
+    assert len(m.entries) == 50 and refused == ["more than link_max_entries=50 entries"]
+    assert max(e.updated_at for e in m.entries.values()) == 1000.0   # the freshest are kept
+    m.merge([entry("x", "y", age=cfg.link_forget_after + 1)], now=2000.0)
+    assert m.get("x", "y") is None                                     # too old to take
+    m.expire(now=1000.0 + cfg.link_forget_after + 100)
+    assert m.entries == {}
+
+
+def test_lookups_and_gossip_limit():
+    m = LinkMatrix("a", CFG)
+    m.merge([entry("b", "c", 5, bw=2e6, rtt=0.02), entry("c", "b", 1, bw=3e6, rtt=0.03)], now=10.0)
+    assert m.bandwidth("b", "c") == 2e6 and m.bandwidth("c", "d") is None
+    assert m.bandwidth("d", "b") is None and m.rtt("b", "c") == 0.03    # the fresher measurement
+    assert [e["measurer"] for e in m.to_entries(10.0, limit=1)] == ["c"]
+    assert [e["measurer"] for e in m.to_entries(10.0, newer_than=7.0)] == ["c"]   # born at 9, not 5
+    times = m.expected_times(["b", "c", "d"], nbytes=4_000_000)
+    assert times[1][0] == pytest.approx(0.03 / 2 + 4_000_000 / 2e6)    # b -> c, measured by b
+    assert times[0][1] == pytest.approx(0.03 / 2 + 4_000_000 / 3e6)    # c -> b, measured by c
+    assert times[0][0] == 0.0 and times[2][0] == math.inf
+    m.remove_node("b")
+    assert m.entries == {}
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+def test_render_text_and_json():
+    m = LinkMatrix("alpha", CFG)
+    m.merge([entry("beta", "alpha", 3, bw=117.5e6, rtt=0.00021), entry("beta", "gamma", 40, bw=1.25e6, rtt=0.05),
+             entry("gamma", "alpha", 2, bw=0.0, rtt=0.0123)], now=100.0)
+    text = render_links(m.to_dict(now=100.0))
+    assert "940.0" in text and "10.0" in text and "0.21" in text and "50.00" in text and "12.30" in text
+    assert "?" in text                                        # gamma->alpha has no bandwidth sample
+    lines = text.splitlines()
+    assert lines[0].startswith("links seen by alpha: 3 nodes, 3 measured links")
+    assert "alpha" in lines[3] and lines[4].startswith("alpha")   # self first
+    js = json.loads(render_links(m.to_dict(now=100.0), fmt="json"))
+    row = next(r for r in js["links"] if r["target"] == "gamma")
+    assert row["mbit_s"] == pytest.approx(10.0) and row["rtt_ms"] == pytest.approx(50.0) and row["age_s"] == 40
+
+
+def test_render_accepts_the_links_reply_and_long_ids():
+    long_a, long_b = "node-" + "a" * 30, "node-" + "a" * 29 + "b"
+    reply = control_pb2.LinksReply(node_id=long_a, links=[
+        control_pb2.LinkMeasurement(measurer=long_a, target=long_b, bandwidth_bps=1.25e8, rtt_s=0.001,
+                                    age_s=0.0, samples=4)])
+    text = render_links(MessageToDict(reply, preserving_proto_field_name=True))   # age_s=0 is omitted
+    assert "1000.0" in text and "n0 = " + long_a in text
+    assert "no link measured yet" in render_links({"node_id": "x", "links": []})
+    with pytest.raises(ValueError, match="fmt"):
+        render_links({}, fmt="xml")
+
+
+def test_config_refuses_a_budget_of_one_percent_or_more():
+    from peerd.config import ConfigError, load
+    with pytest.raises(ConfigError, match="link_probe_budget"):
+        load(env={"PEERD_LINK_PROBE_BUDGET": "0.01"})
+    with pytest.raises(ConfigError, match="link_ewma_alpha"):
+        load(env={"PEERD_LINK_EWMA_ALPHA": "1.5"})
+    assert load(env={"PEERD_MDNS": "off"}).mdns is False
