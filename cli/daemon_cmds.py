@@ -82,7 +82,7 @@ timeout_option = click.option("--timeout", default=3.0, show_default=True, help=
 def control_stub(data_dir: str | None):
     from peerd.v1 import control_pb2_grpc
 
-    path = Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser() / "peerd.sock"
+    path = Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser().absolute() / "peerd.sock"
     if not path.exists():
         raise click.ClickException(f"no daemon control socket at {path}: is `peerd up` running with this "
                                    f"--data-dir?")

@@ -167,7 +167,7 @@ class Config:
 
     @property
     def data_path(self) -> Path:
-        return Path(self.data_dir or default_data_dir()).expanduser()
+        return Path(self.data_dir or default_data_dir()).expanduser().absolute()
 
     @property
     def control_socket(self) -> Path:

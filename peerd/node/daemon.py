@@ -422,7 +422,9 @@ class Daemon:
         return cpb.StatusReply(node_id=self.node_id, address=self.address, run_id=self.cfg.run_id,
                                uptime_s=now - self.started_mono, protocol_version=PROTOCOL_VERSION,
                                peerd_version=__version__, event_loop=loop_name(), incarnation=self.incarnation,
-                               peers=peers, data_dir=str(self.data.path), tls=bool(self.cfg.tls_cert))
+                               peers=peers, data_dir=str(self.data.path), tls=bool(self.cfg.tls_cert),
+                               training_json=json.dumps(self.training.state(), default=str)
+                               if self.training is not None else "")
 
     def links_message(self) -> cpb.LinksReply:
         return cpb.LinksReply(node_id=self.node_id)

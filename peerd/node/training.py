@@ -151,6 +151,7 @@ class TrainingRun:
         self.own: dict[int, torch.Tensor] = {}
         self.live_k = -1
         self.received: dict[tuple[int, int], Received] = {}
+        self.unattached: list[Received] = []   # updates that arrived before our trainer attached
         self.mix_waiters: dict[int, asyncio.Future] = {}
         self.ready_mixes: dict[int, ev.Mix] = {}
         self.skip_after: dict[int, int] = {}
@@ -175,8 +176,14 @@ class TrainingRun:
             log.exception("policy %s failed on %r", self.policy.name, event)
             self.fail(f"policy error on {type(event).__name__}")
             return
+        self.apply_all(actions)
+
+    def apply_all(self, actions: list[ev.Action]) -> None:
         for action in actions:
             self.apply(action)
+        # A Skip follows its Mix in the same batch: answer the trainer only once all are applied.
+        for k in list(self.ready_mixes):
+            self._finish_mix(k)
 
     def apply(self, a: ev.Action) -> None:
         match a:
@@ -188,7 +195,6 @@ class TrainingRun:
                 self._queue(a.dst).put_nowait(("grant", a.n))
             case ev.Mix():
                 self.ready_mixes[a.k] = a
-                self._finish_mix(a.k)
             case ev.Average():
                 self.pending_average.append(a.entries)
             case ev.Skip():
@@ -220,7 +226,19 @@ class TrainingRun:
     # --- data arriving from peers -------------------------------------------------------------
     def on_received(self, rec: Received) -> None:
         src = self.nodes.index(rec.sender) if rec.sender in self.nodes else -1
-        if src < 0 or self.layout is None:
+        if src < 0:
+            rec.release()
+            return
+        if self.layout is None:
+            # Our trainer has not attached yet (a slow start): hold the update until it does.
+            if len(self.unattached) < self.d.cfg.train_early_updates:
+                self.unattached.append(rec)
+            else:
+                rec.release()
+            return
+        if rec.nbytes != self.layout.total_bytes:
+            log.warning("dropped update %d from %s: %d bytes, this run's layout has %d", rec.iteration,
+                        rec.sender, rec.nbytes, self.layout.total_bytes)
             rec.release()
             return
         if not all(all_finite(t) for t in self.layout.typed(rec.buffer)):
@@ -249,12 +267,8 @@ class TrainingRun:
             return None
         src = self.nodes.index(requester)
         actions = self.policy.on_event(ev.PullRequested(src), time.monotonic())
-        answer = None
-        for a in actions:
-            if isinstance(a, ev.Send) and a.dst == src and answer is None:
-                answer = a
-            else:
-                self.apply(a)
+        answer = next((a for a in actions if isinstance(a, ev.Send) and a.dst == src), None)
+        self.apply_all([a for a in actions if a is not answer])
         if answer is None:
             return None
         buf = self._buffer_for(answer.k, answer.live)
@@ -335,6 +349,9 @@ class TrainingRun:
             base = slot_dir(self.d.data.path)
             self.slot_paths = [base / f"peerd-{self.d.node_id}-{self.session}-{i}" for i in range(2)]
             self.slots = [map_slot(p, layout.total_bytes, create=True) for p in self.slot_paths]
+            held, self.unattached = self.unattached, []
+            for rec in held:
+                self.on_received(rec)
         start = max(self.policy.k + 1, 0)
         return cpb.AttachReply(node_id=self.d.node_id, session_id=self.session,
                                slot_paths=[str(p) for p in self.slot_paths], start_iteration=start,
@@ -377,7 +394,6 @@ class TrainingRun:
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
         self.feed(ev.MixRequested(k))
-        self._finish_mix(k)
         try:
             return await asyncio.wait_for(fut, self.d.cfg.train_mix_timeout)
         except asyncio.TimeoutError:
@@ -511,9 +527,10 @@ class TrainingRun:
             task.cancel()
         if self.timer is not None:
             self.timer.cancel()
-        for rec in self.received.values():
+        for rec in [*self.received.values(), *self.unattached]:
             rec.release()
         self.received.clear()
+        self.unattached.clear()
         for fut in self.mix_waiters.values():
             if not fut.done():
                 fut.set_exception(RunError("run stopped"))

@@ -32,7 +32,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls")
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class StatusReply(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     DATA_DIR_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     run_id: str
@@ -55,7 +56,8 @@ class StatusReply(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     data_dir: str
     tls: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+    training_json: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ...) -> None: ...
 
 class LinksRequest(_message.Message):
     __slots__ = ()
