@@ -1,4 +1,4 @@
-"""`peerd up`, `peerd status`, `peerd peers`, `peerd version`, `peerd keys new`."""
+"""`peerd up`, `peerd status`, `peerd peers`, `peerd links`, `peerd version`, `peerd keys new`."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,9 @@ def config_options(fn):
             continue
         flag = "--" + f.metadata.get("flag", name).replace("_", "-")
         default = f.default
+        if isinstance(default, bool):
+            # --mdns/--no-mdns; None when neither is given, so TOML and PEERD_* still apply
+            flag = f"{flag}/--no-{flag[2:]}"
         help_text = f"{f.metadata['help']}"
         if default not in ("", (), None):
             help_text += f"  [default: {default}; env PEERD_{name.upper()}]"
@@ -32,7 +35,7 @@ def config_options(fn):
         if isinstance(default, tuple):
             kwargs.update(multiple=True, default=(), metavar="HOST:PORT")
         elif isinstance(default, bool):
-            kwargs.update(type=bool)
+            kwargs.update(is_flag=True)
         elif isinstance(default, int):
             kwargs.update(type=int)
         elif isinstance(default, float):
@@ -158,6 +161,29 @@ def peers(data_dir: str | None, as_json: bool, timeout: float) -> None:
 
 
 @click.command()
+@data_dir_option
+@json_option
+@timeout_option
+def links(data_dir: str | None, as_json: bool, timeout: float) -> None:
+    """Show the link matrix this host's daemon knows: bandwidth (Mbit/s), RTT (ms) and age of every
+    measured link, each measured by the row's host towards the column's (its own and gossiped)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from peerd.net.links import render_links
+    from peerd.v1 import control_pb2 as cpb
+
+    channel, stub = control_stub(data_dir)
+    try:
+        reply = stub.Links(cpb.LinksRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        raise click.ClickException(f"daemon did not answer: {e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    matrix = MessageToDict(reply, preserving_proto_field_name=True)
+    click.echo(render_links(matrix, "json" if as_json else "text"), nl=as_json)
+
+
+@click.command()
 @json_option
 def version(as_json: bool) -> None:
     """Print the versions of peerd, its protocol and the libraries it runs on."""
@@ -198,4 +224,4 @@ def keys_new(path: str, force: bool) -> None:
     click.echo(f"wrote a new cluster secret to {p}")
 
 
-COMMANDS = [up, status, peers, version, keys]
+COMMANDS = [up, status, peers, links, version, keys]

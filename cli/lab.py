@@ -60,17 +60,19 @@ def profiles() -> None:
               help=f"profile TOML file, or a shipped one: {', '.join(profile_mod.shipped())}")
 @_dir_opt
 @click.option("--no-daemons", is_flag=True, help="build the network only; start no daemon")
+@click.option("--no-seeds", is_flag=True, help="start the daemons without --peer seeds: they find each other by mDNS")
 @click.option("--daemon-arg", multiple=True, metavar="ARG",
               help="extra argument for every daemon (repeatable), e.g. --daemon-arg=--log-level=debug")
 @_config_opt
 @click.option("--json", "as_json", is_flag=True, help="print the lab's status as JSON")
-def up(hosts: int | None, profile: str, lab_dir: str | None, no_daemons: bool, daemon_arg: tuple[str, ...],
-       config_file: str | None, as_json: bool) -> None:
+def up(hosts: int | None, profile: str, lab_dir: str | None, no_daemons: bool, no_seeds: bool,
+       daemon_arg: tuple[str, ...], config_file: str | None, as_json: bool) -> None:
     """Create the hosts, shape their links, start one daemon per host."""
     cfg = _cfg(config_file)
     try:
         prof = profile_mod.load(profile, hosts)
-        state = lab_mod.up(prof, _dir(cfg, lab_dir), cfg, daemons=not no_daemons, daemon_args=daemon_arg)
+        state = lab_mod.up(prof, _dir(cfg, lab_dir), cfg, daemons=not no_daemons, daemon_args=daemon_arg,
+                           seeds=not no_seeds)
     except (LabError, profile_mod.ProfileError) as e:
         raise click.ClickException(str(e)) from None
     _print_status(lab_mod.status(state["dir"]), as_json)

@@ -165,6 +165,11 @@ class Config:
     train_mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
                                         "iteration before giving up with an error")
 
+    # --- the daemon's link service and discovery wiring (peerd/node/links_service.py) -----------
+    link_gossip_max_entries: int = _f(1024, "most link-matrix entries one heartbeat (or its reply) carries")
+    link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
+                                                "matrix; those between carry our own row and what changed")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()
@@ -258,10 +263,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"link_probe_min_bytes ({cfg.link_probe_min_bytes}) must be >0 and at most "
                           f"link_probe_max_bytes ({cfg.link_probe_max_bytes})")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
-                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
+                 "link_gossip_full_interval", "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
-    for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries"):
+    for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be >= 1")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):

@@ -132,19 +132,20 @@ def _host_ip(net: ipaddress.IPv4Network, index: int) -> str:
 # --- up ---------------------------------------------------------------------------------------
 
 def up(profile: Profile, lab_dir: str | os.PathLike, cfg: Config | None = None, *, daemons: bool = True,
-       daemon_args: tuple[str, ...] = (), python: str | None = None) -> dict[str, Any]:
+       daemon_args: tuple[str, ...] = (), python: str | None = None, seeds: bool = True) -> dict[str, Any]:
     """Build the lab described by `profile`; return its state. On any failure the partial lab is
-    torn down before the error propagates."""
+    torn down before the error propagates. `seeds=False` starts the daemons without --peer seeds:
+    they must find each other by mDNS."""
     cfg = cfg or Config()
     netns.require_root()
     lab_dir = Path(lab_dir).resolve()
     with _locked(lab_dir):
-        state = _up(profile, lab_dir, cfg, daemons, daemon_args, python or sys.executable)
+        state = _up(profile, lab_dir, cfg, daemons, daemon_args, python or sys.executable, seeds)
     return state
 
 
 def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args: tuple[str, ...],
-        python: str) -> dict[str, Any]:
+        python: str, seeds: bool = True) -> dict[str, Any]:
     if (lab_dir / STATE).exists():
         old = read_state(lab_dir)
         raise LabError(f"a lab (id {old.get('id')}) is already recorded in {lab_dir}; "
@@ -172,7 +173,7 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
     }
     _save(lab_dir, state)
     try:
-        _build(profile, state, lab_dir, cfg, daemons, daemon_args, python)
+        _build(profile, state, lab_dir, cfg, daemons, daemon_args, python, seeds)
     except BaseException as e:
         try:
             _down(lab_dir, cfg, purge=False)
@@ -187,7 +188,7 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
 
 
 def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, daemons: bool,
-           daemon_args: tuple[str, ...], python: str) -> None:
+           daemon_args: tuple[str, ...], python: str, seeds: bool = True) -> None:
     lab_id, t = state["id"], cfg.lab_cmd_timeout
     sw = state["switch"]
     hosts = state["hosts"]
@@ -273,7 +274,7 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
         data_dir = Path(h["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = daemon_argv(python, h["ip"], port, data_dir, state["run_id"], secret,
-                           [f"{hosts[seed]['ip']}:{port}"] if seed else [], daemon_args)
+                           [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [], daemon_args)
         log = lab_dir / name / "daemon.log"
         proc = netns.spawn(h["ns"], argv, env=_child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}), log=log)
         _record(lab_dir, state, f"daemon:{name}", proc.pid)

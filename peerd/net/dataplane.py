@@ -62,6 +62,9 @@ AUTH_KEY = "x-peerd-node"      # set by the daemon's auth interceptor to the ver
 # transfer kinds accepted by default ("carry": a pushed answer to a pull, used by the daemon);
 # set_layout() and accept_kind() add more per DataPlane
 KINDS = frozenset({"model", "probe", "state", "carry"})
+# kinds whose receive buffers are freed, not pooled: link probes come in ever different sizes,
+# and the exact-size pool would fill with them up to dataplane_pool_bytes
+UNPOOLED_KINDS = frozenset({"probe"})
 CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
 CHECKSUMS = frozenset({"crc32", "none"})
 
@@ -744,9 +747,11 @@ class _Assembly:
         self.done = True
         dp.counters["bytes_received"] += self.wire_bytes
         dst, peer, reserved = self.dst, self.peer, self.reserved
+        pooled = h.kind not in UNPOOLED_KINDS
 
         def release() -> None:
-            dp.pool.put(dst)
+            if pooled:
+                dp.pool.put(dst)
             dp.budget.release(peer, reserved)
 
         return Received(h.sender, h.run_id, h.iteration, h.kind, h.transfer_id, self.layout, dst,

@@ -2,7 +2,9 @@
 
 It serves the Peer service on TCP (authenticated), the Control service on a unix socket in the data
 dir, keeps the membership table (peerd.net.membership) fed with direct contacts, and gossips the
-table in heartbeats. All waits are bounded by Config values.
+table in heartbeats. Candidates come from --peer seeds, gossip and mDNS (mdns_service.py); link
+estimates are measured and gossiped by links_service.py, whose matrix is `Daemon.link_matrix`.
+All waits are bounded by Config values.
 """
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ from peerd import PROTOCOL_VERSION, __version__
 from peerd.config import Config
 from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_KEY
 from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options
+from peerd.net.discovery import DiscoveryError
+from peerd.net.links import LinkMatrix
 from peerd.net.membership import Member, Membership, State, Timing, Transition
-from peerd.node import capabilities
+from peerd.node import capabilities, mdns_service
 from peerd.node.control_service import ControlService
 from peerd.node.convert import caps_from_pb, caps_to_pb, member_to_pb, rows_from_pb, split_host_port
 from peerd.node.identity import DataDir, atomic_write
+from peerd.node.links_service import LinkService
 from peerd.node.peer_service import PeerService, hello_refusal
 from peerd.v1 import control_pb2 as cpb
 from peerd.v1 import peer_pb2 as pb
@@ -67,6 +72,9 @@ class Daemon:
         self._events = None
         self._logged_refusals: dict[str, float] = {}
         self.dataplane: DataPlane | None = None
+        self.links: LinkService | None = None
+        self.link_matrix: LinkMatrix | None = None  # the swarm's link estimates, for the sync policies
+        self.discovery = None                       # MdnsDiscovery while mDNS runs
         self.training = None                        # the TrainingRun of `peerd train`, when one is active
         self._early: list[Received] = []       # peers' updates that arrived before our run started
 
@@ -87,6 +95,8 @@ class Daemon:
             forget_dead_after=cfg.forget_dead_after, retry_base=cfg.heartbeat_interval,
             retry_max=cfg.connect_retry_max, max_peers=cfg.max_peers))
         self._events = open(self.data.path / "events.jsonl", "a", buffering=1)
+        self.links = LinkService(self)
+        self.link_matrix = self.links.matrix
 
         self._server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=grpc_options(cfg))
         self.dataplane = DataPlane(cfg, self.node_id, cfg.run_id, on_received=self._on_received,
@@ -122,6 +132,20 @@ class Daemon:
         log.info("node %s (incarnation %d) serving peers on %s, control on %s, loop %s, run %r",
                  self.node_id, self.incarnation, self.address, sock, loop_name(), cfg.run_id)
         self._spawn(self._membership_loop(), "membership")
+        self._spawn(self.links.run(), "link probes")
+        self._spawn(self._discover(), "mdns")
+
+    async def _discover(self) -> None:
+        disc, why = mdns_service.plan(self)
+        if disc is None:
+            log.info("%s", why)
+            return
+        self.discovery = disc          # set first: shutdown stops it even while it starts
+        try:
+            await disc.start()
+        except DiscoveryError as e:
+            self.discovery = None
+            log.warning("mDNS discovery is off: %s; --peer seeds and gossip still work", e)
 
     async def run(self) -> None:
         """Start, serve until SIGINT/SIGTERM or stop(), then shut down cleanly."""
@@ -144,10 +168,15 @@ class Daemon:
         cfg = self.cfg
         if self.training is not None:
             await self.training.stop()
+        if self.links is not None:
+            self.links.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=cfg.shutdown_grace)
+        if self.discovery is not None:
+            await self.discovery.stop()   # goodbye packets; bounded by mdns_stop_timeout
+            self.discovery = None
         if self.membership is not None and self._server is not None:
             targets = [m for m in self.membership.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
             if targets:
@@ -219,6 +248,7 @@ class Daemon:
         level = logging.WARNING if tr.new in (State.DEAD,) else logging.INFO
         log.log(level, "peer %s%s: %s -> %s%s", tr.node_id, where, old, new, f" ({how})" if how else "")
         self._event("peer", peer=tr.node_id, old=old, new=new, how=how)
+        self.links.on_state(tr.node_id, tr.new)
         if self.training is not None:
             if tr.new in (State.DEAD, State.LEFT, None):
                 self.training.peer_down(tr.node_id)
@@ -333,8 +363,9 @@ class Daemon:
     async def _heartbeat(self, m: Member) -> None:
         method = f"/{PEER_SERVICE}/SendHeartbeat"
         self._hb_seq += 1
+        links, mark = self.links.gossip(m.node_id, "hb")
         msg = pb.Heartbeat(node_id=self.node_id, incarnation=self.incarnation, seq=self._hb_seq,
-                           peers=self.peer_infos(), address=self.address)
+                           peers=self.peer_infos(), address=self.address, links=links)
         stub = self._channel(m.address).unary_unary(method, request_serializer=pb.Heartbeat.SerializeToString,
                                                     response_deserializer=pb.HeartbeatReply.FromString)
         sent = time.monotonic()
@@ -354,6 +385,9 @@ class Daemon:
         self._log_transition(self.membership.heard_from(m.node_id, now, reply.incarnation, now - sent),
                              "heartbeat answered")
         self.membership.merge_gossip(rows_from_pb(reply.peers), now)
+        self.links.gossiped(m.node_id, "hb", mark)
+        self.links.observe_heartbeat(m.node_id, now - sent)
+        self.links.merge(m.node_id, reply.links)
 
     async def _say_leave(self, m: Member) -> None:
         method = f"/{PEER_SERVICE}/SayLeave"
@@ -383,8 +417,10 @@ class Daemon:
 
     async def push_tensor(self, address: str, node: str, data: Outgoing, *, iteration: int, kind: str):
         method = "/peerd.v1.Peer/PushTensor"
-        return await self.dataplane.push(self._channel(address), node, data, metadata=self.auth.sign(method),
-                                         iteration=iteration, kind=kind)
+        result = await self.dataplane.push(self._channel(address), node, data, metadata=self.auth.sign(method),
+                                           iteration=iteration, kind=kind)
+        self.links.observe_push(node, result)
+        return result
 
     async def pull_tensor(self, address: str, node: str, kind: str = "model") -> Received:
         method = "/peerd.v1.Peer/PullTensor"
@@ -427,7 +463,7 @@ class Daemon:
                                if self.training is not None else "")
 
     def links_message(self) -> cpb.LinksReply:
-        return cpb.LinksReply(node_id=self.node_id)
+        return self.links.links_reply()
 
 
 def run_daemon(cfg: Config, secret: bytes) -> int:

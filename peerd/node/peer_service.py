@@ -89,7 +89,10 @@ class PeerService:
                                 f"peerd: Heartbeat carries {len(request.peers)} rows (max {MAX_GOSSIP_ROWS})")
         address = self._reachable_address(request.address, context)
         d.on_heartbeat(request.node_id, request.incarnation, address, rows_from_pb(request.peers))
-        return pb.HeartbeatReply(node_id=d.node_id, incarnation=d.incarnation, peers=d.peer_infos())
+        d.links.merge(request.node_id, request.links)
+        links, mark = d.links.gossip(request.node_id, "reply")
+        d.links.gossiped(request.node_id, "reply", mark)   # no acknowledgement: the full refresh repairs losses
+        return pb.HeartbeatReply(node_id=d.node_id, incarnation=d.incarnation, peers=d.peer_infos(), links=links)
 
     async def Ping(self, request: pb.PingRequest, context) -> pb.PingReply:
         limit = self.d.cfg.max_control_message_bytes - 64

@@ -1,0 +1,221 @@
+"""The daemon's link service: measure this host's links, gossip the swarm's link matrix.
+
+The pure pieces are peerd.net.links (LinkTable: estimates and when to probe; LinkMatrix: the
+swarm's view) and peerd.net.linkprobe (probe_loop). This module feeds them from the daemon:
+
+- Whom: every admitted peer while alive or suspect. A dead or departed peer is not probed; its
+  estimate is parked and comes back if the peer does within link_forget_after, so a restart or a
+  short partition costs no new warm-up. A peer the failure detector forgets leaves the matrix
+  (its row and its column).
+- RTT: every answered heartbeat is a sample (a round trip on the same channel; queueing included,
+  which the table's windowed minimum copes with), and the table's own Ping probes fill gaps.
+- Bandwidth: probes are pushed over the data plane with kind "probe", the path model data takes
+  (same channel, chunking and flow control); the receiving daemon releases them at once. The
+  payload is random bytes (a compressing tunnel must not flatter the link) whose crc32 is
+  computed before the clock starts, so the time is the transfer's alone. Pushes of real data
+  (PushResult) are samples too.
+- Gossip: each heartbeat, and each reply, carries our own row plus the entries updated since the
+  previous one to that peer (acknowledged heartbeats only); every link_gossip_full_interval it
+  carries the whole matrix, so a lost message, a restarted peer or an old entry learned late
+  (its age predates the last delta) still arrives. At most link_gossip_max_entries per message.
+- `matrix` is kept current after every sample: sync policies read it (`expected_times`).
+
+One clock for everything the table and matrix are given: time.monotonic.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from peerd.net import tensorwire as tw
+from peerd.net.dataplane import PUSH_METHOD, Outgoing, PushResult
+from peerd.net.linkprobe import probe_loop
+from peerd.net.links import RTT, LinkEstimate, LinkMatrix, LinkTable, Probe
+from peerd.net.membership import State
+from peerd.v1 import control_pb2 as cpb
+from peerd.v1 import peer_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.node.daemon import Daemon
+
+log = logging.getLogger("peerd.links")
+
+PING_METHOD = "/peerd.v1.Peer/Ping"
+PROBE_KIND = "probe"
+ENTRY_FIELDS = ("measurer", "target", "bandwidth_bps", "bandwidth_spread_bps", "rtt_s", "rtt_spread_s",
+                "samples", "age_s")
+PAYLOAD_SIZES = 8            # probe payloads (views of one buffer) kept with their checksums
+
+
+class LinkService:
+    def __init__(self, daemon: "Daemon") -> None:
+        self.d = daemon
+        self.cfg = daemon.cfg
+        self.node_id = daemon.node_id
+        self.table = LinkTable(self.node_id, self.cfg)
+        self.matrix = LinkMatrix(self.node_id, self.cfg)
+        self._parked: dict[str, tuple[LinkEstimate, float]] = {}
+        self._delta_since: dict[tuple[str, str], float] = {}     # (peer, way) -> our clock of the last gossip
+        self._full_at: dict[tuple[str, str], float] = {}
+        self._refusals_logged: dict[str, float] = {}
+        self._random: torch.Tensor | None = None
+        self._payloads: collections.OrderedDict[int, Outgoing] = collections.OrderedDict()
+        self._nonce = int.from_bytes(os.urandom(6), "big")
+        self._stop = asyncio.Event()
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Probe until close(); every probe is bounded by its deadline (see linkprobe)."""
+        await probe_loop(self.table, self._run_probe, self._stop, clock=time.monotonic,
+                         tick_max=self.cfg.heartbeat_interval, on_update=lambda _p, _k: self._absorb())
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- peers -----------------------------------------------------------------------------
+    def on_state(self, peer: str, new: State | None) -> None:
+        """The failure detector moved `peer` to `new` (None: forgotten)."""
+        now = time.monotonic()
+        if new in (State.ALIVE, State.SUSPECT):
+            if peer in self.table.links:
+                return
+            try:
+                self.table.add_peer(peer)
+            except ValueError as e:
+                log.warning("not measuring the link to %s: %s", peer, e)
+                return
+            parked = self._parked.pop(peer, None)
+            if parked is not None and now - parked[1] < self.cfg.link_forget_after:
+                self.table.links[peer] = parked[0]          # same link, same estimate: no new warm-up
+        elif new in (State.DEAD, State.LEFT):
+            est = self.table.estimate(peer)
+            self.table.remove_peer(peer)
+            if est is not None and est.samples:
+                self._parked[peer] = (est, now)
+        else:
+            self.table.remove_peer(peer)
+            self._parked.pop(peer, None)
+            self.matrix.remove_node(peer)
+            for way in ("hb", "reply"):
+                self._delta_since.pop((peer, way), None)
+                self._full_at.pop((peer, way), None)
+            self._refusals_logged.pop(peer, None)
+        self._absorb()
+
+    # --- samples from the daemon's own traffic ------------------------------------------------
+    def observe_heartbeat(self, peer: str, rtt_s: float) -> None:
+        if self.table.observe_rtt(peer, rtt_s, time.monotonic(), probe=False):
+            self._absorb()
+
+    def observe_push(self, peer: str, result: PushResult) -> None:
+        """A data-plane push of real data finished: its wire bytes and time are a bandwidth sample."""
+        if self.table.observe_transfer(peer, result.wire_bytes, result.seconds, time.monotonic()):
+            self._absorb()
+
+    def _absorb(self) -> None:
+        self.matrix.absorb(self.table)
+
+    # --- probes -------------------------------------------------------------------------------
+    async def _run_probe(self, p: Probe) -> float:
+        d = self.d
+        m = d.membership.get(p.peer)
+        if m is None or m.state not in (State.ALIVE, State.SUSPECT):
+            raise LookupError(f"{p.peer} is not alive")
+        channel = d._channel(m.address)
+        if p.kind == RTT:
+            self._nonce += 1
+            nonce = self._nonce
+            stub = channel.unary_unary(PING_METHOD, request_serializer=pb.PingRequest.SerializeToString,
+                                       response_deserializer=pb.PingReply.FromString)
+            metadata = d.auth.sign(PING_METHOD)
+            t0 = time.monotonic()
+            reply = await stub(pb.PingRequest(nonce=nonce, payload=bytes(p.size_bytes)), metadata=metadata,
+                               timeout=p.deadline_s)
+            took = time.monotonic() - t0
+            if reply.nonce != nonce:
+                raise ValueError(f"Ping answered with nonce {reply.nonce}, sent {nonce}")
+            return took
+        data = await self._payload(p.size_bytes)
+        metadata = d.auth.sign(PUSH_METHOD)
+        t0 = time.monotonic()
+        await d.dataplane.push(channel, p.peer, data, metadata=metadata, iteration=0, kind=PROBE_KIND,
+                               compression="none", checksum=data.checksum, timeout=p.deadline_s)
+        return time.monotonic() - t0
+
+    async def _payload(self, nbytes: int) -> Outgoing:
+        """`nbytes` of random data with its checksum, ready to push (views of one shared buffer)."""
+        out = self._payloads.get(nbytes)
+        if out is not None:
+            self._payloads.move_to_end(nbytes)
+            return out
+        if self._random is None or self._random.numel() < nbytes:
+            size = min(max(nbytes, 1 << (nbytes - 1).bit_length()), max(nbytes, self.cfg.link_probe_max_bytes))
+            self._random = await asyncio.to_thread(_random_bytes, size)
+            self._payloads.clear()
+        out = Outgoing.from_buffer(self._random[:nbytes], tw.Layout.flat(nbytes, PROBE_KIND))
+        await self.d.dataplane.seal(out)             # the checksum, outside the timed transfer
+        self._payloads[nbytes] = out
+        while len(self._payloads) > PAYLOAD_SIZES:
+            self._payloads.popitem(last=False)
+        return out
+
+    # --- gossip -------------------------------------------------------------------------------
+    def gossip(self, peer: str, way: str) -> tuple[list[pb.LinkEntry], float]:
+        """Entries for one heartbeat ("hb") or reply ("reply") to `peer`, and the mark to pass to
+        `gossiped` once it was delivered."""
+        cfg = self.cfg
+        now = time.monotonic()
+        self._expire(now)
+        key = (peer, way)
+        limit = cfg.link_gossip_max_entries
+        if now - self._full_at.get(key, -math.inf) >= cfg.link_gossip_full_interval:
+            self._full_at[key] = now
+            entries = self.matrix.to_entries(now, limit=limit)
+        else:
+            since = self._delta_since.get(key, -math.inf)
+            own = [self.matrix.entries[(self.node_id, t)].to_dict(self.node_id, t, now)
+                   for t in self.table.links if (self.node_id, t) in self.matrix.entries]
+            others = [e for e in self.matrix.to_entries(now, limit=limit, newer_than=since)
+                      if e["measurer"] != self.node_id]
+            entries = (own + others)[:limit]
+        return [pb.LinkEntry(**e) for e in entries], now
+
+    def gossiped(self, peer: str, way: str, mark: float) -> None:
+        self._delta_since[(peer, way)] = mark
+
+    def merge(self, peer: str, entries: Iterable[pb.LinkEntry]) -> None:
+        """Fold in a peer's gossip (it authenticated; what it says is still checked entry by entry)."""
+        now = time.monotonic()
+        rows = [{f: getattr(e, f) for f in ENTRY_FIELDS} for e in entries]
+        if not rows:
+            return
+        _, refused = self.matrix.merge(rows, now)
+        if refused and now - self._refusals_logged.get(peer, -math.inf) >= self.cfg.auth_log_every:
+            self._refusals_logged[peer] = now
+            log.warning("refused %d link entries gossiped by %s: %s", len(refused), peer, refused[0])
+
+    def _expire(self, now: float) -> None:
+        self.matrix.expire(now)
+        limit = now - self.cfg.link_forget_after
+        for peer in [p for p, (_, at) in self._parked.items() if at < limit]:
+            del self._parked[peer]
+
+    # --- observability ------------------------------------------------------------------------
+    def links_reply(self) -> cpb.LinksReply:
+        now = time.monotonic()
+        self._expire(now)
+        return cpb.LinksReply(node_id=self.node_id, links=[
+            cpb.LinkMeasurement(measurer=e["measurer"], target=e["target"], bandwidth_bps=e["bandwidth_bps"],
+                                rtt_s=e["rtt_s"], age_s=e["age_s"], samples=e["samples"])
+            for e in self.matrix.to_entries(now)])
+
+
+def _random_bytes(n: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
