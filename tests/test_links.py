@@ -152,6 +152,23 @@ def test_a_bursty_first_sample_does_not_linger():
     assert t.estimate("b").bw.mean == pytest.approx(1e7, rel=0.01)
 
 
+def test_warm_up_keeps_the_highest_trusted_probe_then_averages():
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt, now = 6.25e6, 0.04, 0.0
+    t.observe_rtt("b", rtt, now)
+    size = 2_000_000
+    # Trusted samples: the link alone, then sharing a bottleneck with another host's probe (half).
+    for share in (0.5, 1.0, 0.5):
+        now += CFG.link_min_probe_gap
+        t.observe_transfer("b", size, rtt + size / (bw * share), now, probe=True)
+    est = t.estimate("b")
+    assert est.bw.n == CFG.link_warmup_samples and est.bw.mean == pytest.approx(bw, rel=0.01)
+    now += CFG.link_min_probe_gap
+    t.observe_transfer("b", size, rtt + size / (bw / 2), now, probe=True)   # after warm-up: averaged
+    assert est.bw.mean == pytest.approx(bw * (1 - CFG.link_ewma_alpha / 2), rel=0.01)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.floats(1e5, 5e9), st.floats(1e-4, 0.3), st.floats(0.0, 0.2), st.integers(0, 2**32))
 def test_probing_costs_well_under_one_percent_at_steady_state(bw, rtt, noise, seed):

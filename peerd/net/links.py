@@ -30,6 +30,10 @@ When to probe (due_probes)
   replaces it instead of being averaged in. Warm-up goes on (probes grow about 16x per step) until
   a sample is trusted or probes reach link_probe_max_bytes; the estimate of a link whose
   bandwidth-delay product exceeds that stays a lower bound.
+  During warm-up the estimate is the highest trusted probe sample, not their average: hosts
+  started together warm up together, and probes through a shared bottleneck each measure a
+  fraction of it (cross traffic only lowers a sample). The daemon also starts each bulk probe
+  after a random delay, so steady-state probes of different hosts rarely meet.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
   busy link is rarely probed).
 - Probe size and period, with B the estimated bandwidth and R the base RTT:
@@ -229,6 +233,15 @@ class LinkTable:
             # The estimate so far rests on too-short samples: a trustworthy one replaces it, and so
             # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
             est.bw.restart(rate)
+            self._settle(sched, probe)
+        elif probe and not short and est.bw.n < self.cfg.link_warmup_samples:
+            # Warm-up keeps the highest trusted probe: hosts started together warm up together, and
+            # probes through a shared bottleneck (a site uplink) each get a fraction of it; cross
+            # traffic only ever lowers a trusted sample.
+            if rate > est.bw.mean:
+                est.bw.restart(rate)
+            else:
+                est.bw.n += 1
             self._settle(sched, probe)
         else:
             self._fold(est.bw, rate, sched, probe, now, 0.0)

@@ -12,7 +12,9 @@ swarm's view) and peerd.net.linkprobe (probe_loop). This module feeds them from 
 - Bandwidth: probes are pushed over the data plane with kind "probe", the path model data takes
   (same channel, chunking and flow control); the receiving daemon releases them at once. The
   payload is random bytes (a compressing tunnel must not flatter the link) whose crc32 is
-  computed before the clock starts, so the time is the transfer's alone. Pushes of real data
+  computed before the clock starts, so the time is the transfer's alone. Each bulk probe starts
+  after a random delay of up to link_probe_jitter: hosts started together would otherwise probe
+  in lock-step, and probes sharing a bottleneck (a site's uplink) each measure a fraction of it. Pushes of real data
   (PushResult) are samples too.
 - Gossip: each heartbeat, and each reply, carries our own row plus the entries updated since the
   previous one to that peer (acknowledged heartbeats only); every link_gossip_full_interval it
@@ -29,6 +31,7 @@ import collections
 import logging
 import math
 import os
+import random
 import time
 from typing import TYPE_CHECKING, Iterable
 
@@ -143,11 +146,17 @@ class LinkService:
                 raise ValueError(f"Ping answered with nonce {reply.nonce}, sent {nonce}")
             return took
         data = await self._payload(p.size_bytes)
+        # Hosts that start together would probe in lock-step, and probes through a shared bottleneck
+        # (a site uplink) would each measure a fraction of it: start at a random moment instead.
+        await asyncio.sleep(random.uniform(0.0, min(self.cfg.link_probe_jitter, p.deadline_s / 4)))
         metadata = d.auth.sign(PUSH_METHOD)
         t0 = time.monotonic()
         await d.dataplane.push(channel, p.peer, data, metadata=metadata, iteration=0, kind=PROBE_KIND,
                                compression="none", checksum=data.checksum, timeout=p.deadline_s)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        log.debug("bw probe to %s: %d bytes in %.4f s (%.1f Mbit/s gross)", p.peer, p.size_bytes, took,
+                  p.size_bytes * 8 / took / 1e6)
+        return took
 
     async def _payload(self, nbytes: int) -> Outgoing:
         """`nbytes` of random data with its checksum, ready to push (views of one shared buffer)."""

@@ -1,0 +1,163 @@
+"""Issue 4 on the lab, with real daemons: discovery by mDNS alone (and a rogue that is never adopted),
+and the link matrix each host reports on the two-site profile.
+
+Runs as root (CI does); skips only where network namespaces cannot be made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peerd.config import Config
+from peerd.lab import lab, profile
+from tests.netns_lab import readline
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "lab tests need root to create network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "lab tests need iproute2 (`ip netns`, `tc`)"
+    name = f"peerd-probe-{os.urandom(3).hex()}"
+    p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"`ip netns add` is refused here: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
+
+
+_WHY = _netns_unavailable()
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(240),
+              pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+ROGUE = str(Path(__file__).parent / "rogue_peer.py")
+# Faster failure detection and probing than the defaults; nothing that changes what is measured.
+FAST = ("--heartbeat-interval", "0.5", "--link-min-probe-gap", "1")
+DISCOVERY_BOUND = 30.0       # seconds from `lab up` returning until every daemon lists the other 3
+MATRIX_BOUND = 60.0          # seconds until every host's matrix is complete and accurate
+
+
+@pytest.fixture
+def make_lab(tmp_path):
+    made: list[Path] = []
+
+    def make(prof: profile.Profile, **kw) -> lab.Lab:
+        d = tmp_path / f"lab{len(made)}"
+        made.append(d)
+        lab.up(prof, d, Config(), **kw)
+        return lab.Lab(d)
+
+    yield make
+    for d in made:
+        lab.down(d, Config(), purge=False)
+
+
+def cli_json(lb: lab.Lab, host: str, *args: str):
+    p = lb.run(host, [sys.executable, "-m", "cli.main", *args, "--json"], timeout=30)
+    return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def node_ids(lb: lab.Lab) -> dict[str, str]:
+    return {h: cli_json(lb, h, "status")["node_id"] for h in lb.hosts}
+
+
+def test_mdns_alone_forms_the_swarm_and_a_rogue_without_the_secret_is_never_adopted(make_lab):
+    lb = make_lab(profile.load("lan", 4), seeds=False, daemon_args=FAST)
+    started = time.monotonic()
+    logs = {h: lb.dir / h / "daemon.log" for h in lb.hosts}
+    rogue_id = f"rogue-{secrets.token_hex(3)}"
+    rogue = lb.popen("h4", [sys.executable, ROGUE, lb.ip("h4"), "7171", lb.run_id, rogue_id, "25"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in readline(rogue, 20)
+        ids = node_ids(lb)
+        want = {h: {ids[o] for o in lb.hosts if o != h} for h in lb.hosts}
+        seen: dict[str, set[str]] = {}
+        while time.monotonic() - started < DISCOVERY_BOUND:
+            seen = {h: {p["node_id"] for p in cli_json(lb, h, "peers") or [] if p["state"] == "alive"}
+                    for h in lb.hosts}
+            if seen == want:
+                break
+            time.sleep(0.3)
+        took = time.monotonic() - started
+        assert seen == want, f"after {took:.1f} s: {seen}"
+        print(f"every daemon lists the other 3 (mDNS only) {took:.1f} s after `lab up` returned")
+        for h, log in logs.items():
+            text = log.read_text()
+            assert "mDNS bound to eth0 " + lb.ip(h) in text, text[-2000:]
+            assert "Hello to seed" not in text
+        # Every daemon dials the rogue it discovered, and refuses it: no proof of the secret.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(
+                "without proof of the cluster secret" in log.read_text() for log in logs.values()):
+            time.sleep(0.5)
+        for h, log in logs.items():
+            assert f"peer at {lb.ip('h4')}:7171 answered Hello without proof of the cluster secret; not adopted" \
+                in log.read_text(), h
+        for h in lb.hosts:
+            listed = cli_json(lb, h, "peers")
+            assert rogue_id not in {p["node_id"] for p in listed}
+            assert f"{lb.ip('h4')}:7171" not in {p["address"] for p in listed}
+            assert {p["node_id"] for p in listed} == want[h]
+    finally:
+        rogue.kill()
+        out, _ = rogue.communicate(timeout=10)
+    hellos = {json.loads(line)["hello_from"] for line in out.splitlines() if "hello_from" in line}
+    assert hellos <= set(ids.values()) and len(hellos) >= 1
+
+
+def _shaped_bps(lb: lab.Lab) -> dict[tuple[str, str], float]:
+    """(src host, dst host) -> the bottleneck rate the lab shaped that path to, bit/s."""
+    out = {}
+    for link in lb.state["links"]:
+        rates = [r for r in (link["rate_bps"], link["site_rate_bps"]) if r]
+        out[(link["src"], link["dst"])] = float(min(rates))
+    return out
+
+
+def test_two_sites_every_host_ranks_intra_site_links_above_inter_site_within_25_percent(make_lab):
+    lb = make_lab(profile.load("two-sites"), daemon_args=FAST)
+    started = time.monotonic()
+    ids = node_ids(lb)
+    host_of = {v: k for k, v in ids.items()}
+    shaped = _shaped_bps(lb)
+    site = {h: lb.state["hosts"][h]["site"] for h in lb.hosts}
+    pairs = [(a, b) for a in lb.hosts for b in lb.hosts if a != b]
+
+    def problems(view: dict) -> list[str]:
+        got = {(host_of.get(r["measurer"]), host_of.get(r["target"])): r for r in view["links"]}
+        bad = [f"{a}->{b} missing" for a, b in pairs if (a, b) not in got or got[(a, b)]["mbit_s"] <= 0]
+        if bad:
+            return bad
+        for (a, b) in pairs:
+            want = shaped[(a, b)] / 1e6
+            if abs(got[(a, b)]["mbit_s"] - want) > 0.25 * want:
+                bad.append(f"{a}->{b} {got[(a, b)]['mbit_s']:.1f} Mbit/s, shaped {want:.0f}")
+        intra = [got[p]["mbit_s"] for p in pairs if site[p[0]] == site[p[1]]]
+        inter = [got[p]["mbit_s"] for p in pairs if site[p[0]] != site[p[1]]]
+        if min(intra) <= max(inter):
+            bad.append(f"intra-site {min(intra):.1f} not above inter-site {max(inter):.1f}")
+        return bad
+
+    views: dict[str, dict] = {}
+    while True:
+        views = {h: cli_json(lb, h, "links") or {"links": []} for h in lb.hosts}
+        failing = {h: problems(v) for h, v in views.items()}
+        if not any(failing.values()) or time.monotonic() - started > MATRIX_BOUND:
+            break
+        time.sleep(1.0)
+    took = time.monotonic() - started
+    for h, v in views.items():
+        print(f"{h} ({ids[h]}) after {took:.0f} s: " + ", ".join(
+            f"{host_of.get(r['measurer'])}->{host_of.get(r['target'])} {r['mbit_s']:.0f} Mbit/s "
+            f"{r['rtt_ms']:.1f} ms" for r in v["links"]))
+    assert not any(failing.values()), failing
+    text = lb.run("h1", [sys.executable, "-m", "cli.main", "links"], timeout=30).stdout
+    assert "bandwidth, Mbit/s" in text and "rtt, ms" in text and f"links seen by {ids['h1']}" in text
