@@ -98,6 +98,8 @@ class Config:
     link_min_probe_gap: float = _f(2.0, "least seconds between two probes of one kind to one peer")
     link_warmup_samples: int = _f(3, "bandwidth samples taken link_min_probe_gap apart before the "
                                      "periodic schedule applies")
+    link_warmup_gain: float = _f(0.1, "warm-up goes on while a probe twice as big reads more than this fraction faster")
+    link_warmup_flat: int = _f(2, "warm-up ends after this many trusted probes in a row that did not read faster")
     link_min_transfer_bytes: int = _f(64 * 1024, "smallest data-plane transfer used as a bandwidth sample, bytes")
     link_min_transfer_seconds: float = _f(0.05, "shortest data-plane transfer (RTT taken off) used as a "
                                                 "bandwidth sample, seconds")

@@ -18,7 +18,7 @@ import pytest
 
 from peerd.config import Config
 from peerd.lab import lab, profile
-from tests.netns_lab import readline
+from tests.netns_lab import readline, rest
 
 
 def _netns_unavailable() -> str | None:
@@ -76,7 +76,10 @@ def test_mdns_alone_forms_the_swarm_and_a_rogue_without_the_secret_is_never_adop
     rogue = lb.popen("h4", [sys.executable, ROGUE, lb.ip("h4"), "7171", lb.run_id, rogue_id, "25"],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert "ready" in readline(rogue, 20)
+        early = []
+        while "ready" not in (line := readline(rogue, 20)):
+            assert line, "the rogue exited before it was ready"
+            early.append(line)
         ids = node_ids(lb)
         want = {h: {ids[o] for o in lb.hosts if o != h} for h in lb.hosts}
         seen: dict[str, set[str]] = {}
@@ -108,8 +111,8 @@ def test_mdns_alone_forms_the_swarm_and_a_rogue_without_the_secret_is_never_adop
             assert {p["node_id"] for p in listed} == want[h]
     finally:
         rogue.kill()
-        out, _ = rogue.communicate(timeout=10)
-    hellos = {json.loads(line)["hello_from"] for line in out.splitlines() if "hello_from" in line}
+        out, _ = rest(rogue, 10)
+    hellos = {json.loads(line)["hello_from"] for line in [*early, *out.splitlines()] if "hello_from" in line}
     assert hellos <= set(ids.values()) and len(hellos) >= 1
 
 

@@ -152,21 +152,48 @@ def test_a_bursty_first_sample_does_not_linger():
     assert t.estimate("b").bw.mean == pytest.approx(1e7, rel=0.01)
 
 
-def test_warm_up_keeps_the_highest_trusted_probe_then_averages():
+def test_warm_up_keeps_the_highest_trusted_probe_grows_until_flat_then_averages():
     t = LinkTable("a", CFG)
     t.add_peer("b")
     bw, rtt, now = 6.25e6, 0.04, 0.0
     t.observe_rtt("b", rtt, now)
-    size = 2_000_000
-    # Trusted samples: the link alone, then sharing a bottleneck with another host's probe (half).
-    for share in (0.5, 1.0, 0.5):
-        now += CFG.link_min_probe_gap
-        t.observe_transfer("b", size, rtt + size / (bw * share), now, probe=True)
     est = t.estimate("b")
-    assert est.bw.n == CFG.link_warmup_samples and est.bw.mean == pytest.approx(bw, rel=0.01)
+    size = 2_000_000
+    # Trusted samples: the link alone, sharing a bottleneck with another host's probe (half), ...
+    for share in (0.5, 1.0, 0.5, 0.5):
+        now += CFG.link_min_probe_gap
+        assert BW in {p.kind for p in t.due_probes(now)}              # still warming up
+        t.observe_transfer("b", size, rtt + size / (bw * share), now, probe=True)
+        assert est.bw.mean == pytest.approx(bw if share == 1.0 or est.bw.n > 2 else bw * share, rel=0.01)
+        if est.bw.n < 4:
+            assert t.probe_size("b") >= 2 * size                      # is the rate still rising?
+    # ... two trusted probes in a row that did not read faster: warm-up is over, sizes follow B.
+    assert est.bw.n == 4 and est.bw.mean == pytest.approx(bw, rel=0.01)
+    assert t.probe_size("b") == pytest.approx(bw * max(CFG.link_probe_seconds, CFG.link_probe_rtts * rtt), rel=0.01)
     now += CFG.link_min_probe_gap
     t.observe_transfer("b", size, rtt + size / (bw / 2), now, probe=True)   # after warm-up: averaged
     assert est.bw.mean == pytest.approx(bw * (1 - CFG.link_ewma_alpha / 2), rel=0.01)
+
+
+@pytest.mark.parametrize("flat,climbs", [(CFG.link_warmup_flat, True), (0, False)])
+def test_warm_up_climbs_out_of_a_tcp_ramp(flat, climbs):
+    """A path whose rate grows with transfer size (slow start after idle) is not left at the rate
+    of the first few-RTT probe (and without the plateau search it would be)."""
+    t = LinkTable("a", CFG.replace(link_warmup_flat=flat))
+    t.add_peer("b")
+    bw, rtt, now = 6.25e6, 0.045, 0.0
+    ramp = 14_480 * 2 ** 5                  # bytes sent during ~5 RTTs of slow start from 10 segments
+
+    def took(n: int) -> float:
+        return rtt + (5 * rtt + (n - ramp) / bw if n > ramp else rtt * math.log2(1 + n / 14_480))
+    while now < 60.0:
+        for p in t.due_probes(now):
+            if p.kind == RTT:
+                t.observe_rtt(p.peer, rtt, now)
+            else:
+                t.observe_transfer(p.peer, p.size_bytes, took(p.size_bytes), now, probe=True)
+        now = t.next_due(now)
+    assert (t.estimate("b").bw.mean > 0.85 * bw) is climbs
 
 
 @settings(max_examples=25, deadline=None)

@@ -30,6 +30,10 @@ When to probe (due_probes)
   replaces it instead of being averaged in. Warm-up goes on (probes grow about 16x per step) until
   a sample is trusted or probes reach link_probe_max_bytes; the estimate of a link whose
   bandwidth-delay product exceeds that stays a lower bound.
+  Warm-up also goes on while the estimate rises: each probe is at least twice the previous
+  trusted one until link_warmup_flat of them in a row read no more than link_warmup_gain faster
+  (TCP ramps up after idle, so a probe of a few RTTs reads low, and a low estimate would size
+  the next probe small again: the estimate would settle low without this).
   During warm-up the estimate is the highest trusted probe sample, not their average: hosts
   started together warm up together, and probes through a shared bottleneck each measure a
   fraction of it (cross traffic only lowers a sample). The daemon also starts each bulk probe
@@ -155,6 +159,7 @@ class _Schedule:
     change_sign: int = 0
     short: bool = False               # the estimate rests only on too-short bandwidth samples
     last_bytes: int = 0               # size of the last bandwidth sample
+    flat: int = 0                     # warm-up: trusted probes in a row that did not raise the estimate
 
 
 class LinkTable:
@@ -234,10 +239,12 @@ class LinkTable:
             # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
             est.bw.restart(rate)
             self._settle(sched, probe)
-        elif probe and not short and est.bw.n < self.cfg.link_warmup_samples:
+        elif probe and not short and self._warming(est, sched):
             # Warm-up keeps the highest trusted probe: hosts started together warm up together, and
             # probes through a shared bottleneck (a site uplink) each get a fraction of it; cross
             # traffic only ever lowers a trusted sample.
+            rising = rate > est.bw.mean * (1 + self.cfg.link_warmup_gain)
+            sched.flat = 0 if rising else sched.flat + 1
             if rate > est.bw.mean:
                 est.bw.restart(rate)
             else:
@@ -249,6 +256,13 @@ class LinkTable:
         sched.last_bytes = nbytes
         est.bw_at = now
         return True
+
+    def _warming(self, est: LinkEstimate, sched: _Schedule) -> bool:
+        """Warm-up: too few samples, or the estimate still rises with bigger probes (TCP ramp-up
+        after idle makes a probe of a few RTTs read low, and a low estimate sizes small probes)."""
+        cfg = self.cfg
+        return est.bw.n < cfg.link_warmup_samples or (
+            sched.flat < cfg.link_warmup_flat and sched.last_bytes < cfg.link_probe_max_bytes)
 
     def _settle(self, sched: _Schedule, probe: bool) -> None:
         if probe:
@@ -292,7 +306,11 @@ class LinkTable:
         if est.bw.n == 0 or est.bw.mean <= 0:
             return cfg.link_probe_min_bytes
         duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
-        return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, est.bw.mean * duration)))
+        size = est.bw.mean * duration
+        sched = self._sched[(peer, BW)]
+        if not sched.short and sched.last_bytes and self._warming(est, sched):
+            size = max(size, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
+        return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, size)))
 
     def bw_period(self, peer: str) -> float:
         """T = max(link_bw_interval, (S / B) / (budget - pings)): the steady-state probe period.
@@ -317,7 +335,7 @@ class LinkTable:
             due = -math.inf if est.rtt_at is None else est.rtt_at + cfg.link_rtt_interval
         elif est.bw_at is None:
             due = -math.inf
-        elif est.bw.n < cfg.link_warmup_samples or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
+        elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
             due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
         else:
             due = est.bw_at + self.bw_period(peer)
