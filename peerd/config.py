@@ -169,7 +169,7 @@ class Config:
 
     # --- the daemon's link service and discovery wiring (peerd/node/links_service.py) -----------
     link_gossip_max_entries: int = _f(1024, "most link-matrix entries one heartbeat (or its reply) carries")
-    link_probe_jitter: float = _f(1.0, "a bandwidth probe starts after a random delay of up to this many seconds, "
+    link_probe_jitter: float = _f(2.0, "a bandwidth probe starts after a random delay of up to this many seconds, "
                                        "so hosts do not probe a shared bottleneck in lock-step")
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
                                                 "matrix; those between carry our own row and what changed")
