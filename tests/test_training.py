@@ -89,3 +89,22 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     assert "restarting" in {r["state"] for r in runs[1]}
     for records in runs:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
+
+
+def test_readme_user_script_trains_through_the_daemons(daemons):
+    """The README's `peerd train --script examples/my_script.py` runs as written, on two hosts."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    script = Path(__file__).resolve().parents[1] / "examples" / "my_script.py"
+    assert "peerd train --script examples/my_script.py" in readme
+    assert script.read_text().split('"""', 2)[2].strip() in readme.replace("```python\n", "")
+    ds = swarm(daemons, 2, "u")
+    procs = [start_train(d, "--script", str(script), "--world", "2") for d in ds]
+    runs = finish(procs)
+    for d, records in zip(ds, runs):
+        assert records[-1]["state"] == "done"
+        assert records[-1]["iteration"] >= 295
+        log = next(d.data_dir.glob("trainer-*.log")).read_text()
+        acc = float(re.search(r"accuracy (\d\.\d+)", log).group(1))
+        assert acc > 0.9, log
