@@ -23,6 +23,7 @@ Readings chosen here (the policy docstrings cover the algorithms):
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import json
@@ -156,7 +157,9 @@ class TrainingRun:
         self.wire: tw.Layout | None = None
         self.slots: list[torch.Tensor] = []
         self.slot_paths: list[Path] = []
-        self.own: dict[int, torch.Tensor] = {}
+        self.own: dict[int, torch.Tensor] = {}        # my published parameters, by iteration
+        self.own_out: dict[int, Outgoing] = {}         # the same, ready to push (checksummed once)
+        self.sending: collections.Counter[int] = collections.Counter()  # queued pushes per iteration
         self.live_k = -1
         self.received: dict[tuple[int, int], Received] = {}
         self.unattached: list[Received] = []   # updates that arrived before our trainer attached
@@ -306,7 +309,8 @@ class TrainingRun:
                 self.deferred_sends.append(a)
             return
         k = self.live_k if (a.live or a.k == ev.CURRENT) else a.k
-        self._queue(a.dst).put_nowait((self.kind("model"), k, buf))
+        self.sending[k] += 1
+        self._queue(a.dst).put_nowait((self.kind("model"), k, self.own_out[k]))
 
     def _queue(self, dst: int) -> asyncio.Queue:
         """One ordered sender per destination: updates arrive in iteration order."""
@@ -320,18 +324,22 @@ class TrainingRun:
         node = self.nodes[dst]
         while True:
             item = await q.get()
-            member = self.d.membership.get(node)
-            if member is None:
-                continue
             try:
+                member = self.d.membership.get(node)
+                if member is None:
+                    continue
                 if item[0] == "grant":
                     await self.d.grant_tokens(member.address, item[1], self.policy.k)
                 else:
-                    _, k, buf = item
-                    await self.d.push_tensor(member.address, node, Outgoing.from_buffer(buf, self.wire),
-                                             iteration=k, kind=item[0])
+                    kind, k, outgoing = item
+                    await self.d.push_tensor(member.address, node, outgoing, iteration=k, kind=kind)
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
+            finally:
+                if item[0] != "grant":
+                    self.sending[item[1]] -= 1
+                    if self.sending[item[1]] <= 0:
+                        del self.sending[item[1]]
 
     async def _pull(self, dst: int, carry_k: int) -> None:
         node = self.nodes[dst]
@@ -339,9 +347,9 @@ class TrainingRun:
         if member is None:
             return
         try:
-            if carry_k != ev.CURRENT and carry_k in self.own:
-                await self.d.push_tensor(member.address, node, Outgoing.from_buffer(self.own[carry_k], self.wire),
-                                         iteration=carry_k, kind=self.kind("carry"))
+            if carry_k != ev.CURRENT and carry_k in self.own_out:
+                await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
+                                         kind=self.kind("carry"))
             else:
                 self.on_received(await self._pull_until_served(node))
         except (TransferError, grpc.aio.AioRpcError) as e:
@@ -399,6 +407,7 @@ class TrainingRun:
         snap = self._pool.pop() if self._pool else torch.empty(self.layout.total_bytes, dtype=torch.uint8)
         snap.copy_(self.slots[req.slot])
         self.own[k] = snap
+        self.own_out[k] = Outgoing.from_buffer(snap, self.wire)
         self.live_k = k
         self._retire_own()
         now = time.monotonic()
@@ -415,7 +424,10 @@ class TrainingRun:
     def _retire_own(self) -> None:
         keep = max(8, int(self.d.cfg.hop_max_ig) + 4)
         for k in sorted(self.own)[:-keep]:
-            self._pool.append(self.own.pop(k))
+            snap = self.own.pop(k)
+            del self.own_out[k]
+            if not self.sending.get(k):
+                self._pool.append(snap)  # reused only when no push of it is still queued
         del self._pool[2:]
 
     async def mix(self, req: cpb.MixRequest) -> cpb.MixReply:
