@@ -175,6 +175,7 @@ class TrainingRun:
         self.dropped_nonfinite = 0
         self.trainer: subprocess.Popen | None = None
         self.done = asyncio.Event()
+        self.draining = False                  # trainer finished; still serving the peers' last pulls
         self._pool: list[torch.Tensor] = []
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
@@ -652,8 +653,11 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
     except RunError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
     if daemon.training is not None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "peerd: a training run is already active on this daemon")
+        if not daemon.training.draining:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "peerd: a training run is already active on this daemon")
+        await daemon.training.stop()   # a finished run still serving its peers gives way
+        daemon.end_run(daemon.training)
     started = time.monotonic()
     nodes = form_world(daemon, spec.world)
     while nodes is None:
@@ -687,5 +691,18 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         yield run.progress_message()
     finally:
         supervisor.cancel()
+        if run.progress.state == "done" and daemon.training is run:
+            # Our trainer is done, our peers may not be: keep answering their pulls and taking
+            # their updates (with our final parameters) for a bounded time.
+            run.draining = True
+            asyncio.get_running_loop().create_task(_drain(daemon, run))
+        else:
+            await run.stop()
+            daemon.end_run(run)
+
+
+async def _drain(daemon: "Daemon", run: TrainingRun) -> None:
+    await asyncio.sleep(daemon.cfg.train_drain_timeout)
+    if daemon.training is run:
         await run.stop()
         daemon.end_run(run)
