@@ -176,6 +176,7 @@ class TrainingRun:
         self.trainer: subprocess.Popen | None = None
         self.done = asyncio.Event()
         self.draining = False                  # trainer finished; still serving the peers' last pulls
+        self.pending_publish: tuple[int, int] | None = None
         self._pool: list[torch.Tensor] = []
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
@@ -403,10 +404,20 @@ class TrainingRun:
         if req.slot >= len(self.slots):
             raise RunError(f"slot {req.slot} does not exist")
         k = req.iteration
-        if k <= self.live_k:
+        if k <= self.live_k or (self.pending_publish and k <= self.pending_publish[0]):
             raise RunError(f"iteration {k} published after {self.live_k}")
+        # Answer first, snapshot right after (the next callback of the loop, before any later RPC
+        # of this trainer): the trainer goes on computing while the daemon copies the slot. The
+        # slot is not written again before publish k+2, which comes after mix k.
+        self.pending_publish = (k, req.slot)
+        asyncio.get_running_loop().call_soon(self._complete_publish)
+
+    def _complete_publish(self) -> None:
+        if self.pending_publish is None:
+            return
+        (k, slot), self.pending_publish = self.pending_publish, None
         snap = self._pool.pop() if self._pool else torch.empty(self.layout.total_bytes, dtype=torch.uint8)
-        snap.copy_(self.slots[req.slot])
+        snap.copy_(self.slots[slot])
         self.own[k] = snap
         self.own_out[k] = Outgoing.from_buffer(snap, self.wire)
         self.live_k = k
@@ -437,6 +448,7 @@ class TrainingRun:
             raise RunError("mix before attach")
         if k in self.mix_waiters:
             raise RunError(f"mix of iteration {k} already requested")
+        self._complete_publish()
         fut = asyncio.get_running_loop().create_future()
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
