@@ -281,3 +281,67 @@ def transport(sizes: str, reps: int, lab: bool | None, rates: str, shaped_sizes:
 
 if __name__ == "__main__":  # `python -m cli.bench transport ...` (the same as `peerd bench transport`)
     bench()
+
+
+@bench.command("control")
+@click.option("--params", default=25_000_000, show_default=True, help="model parameters (float32)")
+@click.option("--iterations", default=6, show_default=True, help="timed iterations (the first is a warm-up)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per timed iteration and host")
+def control(params: int, iterations: int, as_json: bool) -> None:
+    """Cost of Publish + Mix through the daemon (shared memory, two hosts mixing), against the step.
+
+    Starts two daemons on loopback and trains a linear layer of --params parameters with D-PSGD;
+    each iteration waits until the neighbour's update has arrived, then times Publish and Mix (the
+    mix copied into the model included) and compares them with the forward/backward step."""
+    import json as jsonlib
+    import os
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from peerd.net.auth import new_secret
+    from peerd.node.localswarm import LocalDaemon, peerd_cmd, wait_until
+
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as tmp:
+        root = Path(tmp)
+        secret = root / "secret"
+        secret.write_text(new_secret())
+        secret.chmod(0o600)
+        hosts: list[LocalDaemon] = []
+        try:
+            for i in range(2):
+                d = LocalDaemon(root / f"h{i}", secret, [hosts[0].address] if hosts else []).start()
+                d.wait_ready()
+                hosts.append(d)
+            if not wait_until(lambda: all(len(d.peer_states()) == 1 for d in hosts), 30):
+                raise click.ClickException("the two daemons did not find each other")
+            script = Path(__file__).resolve().parent.parent / "peerd" / "train" / "benchcontrol.py"
+            env = {**os.environ, "PEERD_BENCH_PARAMS": str(params), "PEERD_BENCH_ITERATIONS": str(iterations)}
+            procs = [subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--script", str(script),
+                                                "--world", "2", "--algo", "d-psgd", "--iterations", str(iterations)),
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for d in hosts]
+            for p in procs:
+                _, err = p.communicate(timeout=600)
+                if p.returncode != 0:
+                    raise click.ClickException(f"peerd train failed: {err[-500:]}")
+            records = []
+            for rank, d in enumerate(hosts):
+                log = next(d.data_dir.glob("trainer-*.log")).read_text()
+                records += [dict(jsonlib.loads(line), host=rank) for line in log.splitlines() if line.startswith("{")]
+        finally:
+            for d in hosts:
+                d.stop()
+    timed = [r for r in records if r["iteration"] > 0]
+    if as_json:
+        for r in timed:
+            click.echo(jsonlib.dumps(r))
+        return
+    med = {k: statistics.median(r[k] for r in timed) for k in ("step_s", "publish_s", "mix_s")}
+    cost = med["publish_s"] + med["mix_s"]
+    click.echo(f"model {timed[0]['bytes'] / 1e6:.0f} MB ({params / 1e6:.0f}M float32), two hosts, D-PSGD, "
+               f"median of {len(timed)} iterations:")
+    click.echo(f"  forward+backward step   {med['step_s'] * 1000:8.1f} ms")
+    click.echo(f"  publish                 {med['publish_s'] * 1000:8.1f} ms")
+    click.echo(f"  mix (copy-out included) {med['mix_s'] * 1000:8.1f} ms")
+    click.echo(f"  publish + mix           {cost * 1000:8.1f} ms = {cost / med['step_s']:.1%} of the step")

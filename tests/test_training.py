@@ -42,35 +42,61 @@ def finish(procs, timeout=240) -> list[list[dict]]:
     return out
 
 
-def final_models(ds, task_name: str):
-    task = get_task(task_name)
-    models = []
-    for d in ds:
-        [ckpt] = list((d.data_dir / "checkpoints").glob("*/latest.pt"))
-        m = task.build(0)
-        m.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
-        models.append(m)
-    return task, models
+@pytest.fixture(scope="module")
+def four_hosts(tmp_path_factory):
+    """One swarm of 4 daemons for every algorithm's run (forming a swarm costs seconds)."""
+    from peerd.node.localswarm import LocalDaemon
+    from tests.daemons import FAST, SECRET
+    root = tmp_path_factory.mktemp("four")
+    secret = root / "secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    ds = []
+    try:
+        for i in range(4):
+            d = LocalDaemon(root / f"h{i}", secret, [ds[0].address] if ds else [], FAST).start()
+            d.wait_ready()
+            ds.append(d)
+        ids = {d.node_id for d in ds}
+        wait_for(lambda: all(d.peer_states() == {o: "alive" for o in ids - {d.node_id}} for d in ds), 20,
+                 "a full swarm")
+        yield ds
+    finally:
+        for d in ds:
+            d.stop()
 
 
-@pytest.mark.parametrize("algo", ["hop", "d-psgd"])
-def test_three_hosts_train_digits_to_accuracy_and_agree(daemons, algo):
-    ds = swarm(daemons, 3, f"{algo[:3]}")
-    procs = [start_train(d, "--task", "digits", "--world", "3", "--iterations", "120", "--algo", algo,
-                         "--eval-every", "60") for d in ds]
+ALGORITHMS = ["hop", "hop-backup-skip", "hop-staleness", "d-psgd", "aau", "netmax", "ad-psgd", "sgp"]
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_four_hosts_train_digits_with_every_algorithm(four_hosts, algo):
+    """Each algorithm, driven by the daemons over the real data plane, trains the digit classifier:
+    every host's model >= 0.8 after 100 iterations (asynchronous NetMax and AD-PSGD vary run to run), the averaged model >= 0.9, and the hosts agree."""
+    ds = four_hosts
+    procs = [start_train(d, "--task", "digits", "--world", "4", "--iterations", "100", "--algo", algo,
+                         "--eval-every", "50") for d in ds]
     runs = finish(procs)
     for records in runs:
         last = records[-1]
         assert last["state"] == "done"
-        assert last["metric_name"] == "accuracy" and last["metric"] >= 0.9, last
-        assert max(r["peers_in_last_mix"] for r in records) == 2   # ring of 3: both neighbours
-    task, models = final_models(ds, "digits")
+        assert last["metric_name"] == "accuracy" and last["metric"] >= 0.8, (algo, last)
+    assert max(r["peers_in_last_mix"] for records in runs for r in records) >= 1, "no host ever mixed"
+    task = get_task("digits")
+    models = []
+    for d in ds:
+        ckpt = max((d.data_dir / "checkpoints").iterdir(), key=lambda p: p.stat().st_mtime) / "latest.pt"
+        m = task.build(0)
+        m.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+        models.append(m)
     from peerd.train.flat import flatten_module
+    from peerd.train.tasks import evaluate_average
     flats = [flatten_module(m) for m in models]
     distance = consensus_distance([f.buffer for f in flats], flats[0].layout)
-    assert distance < 0.5, distance
-    from peerd.train.tasks import evaluate_average
-    assert evaluate_average(task, models)["accuracy"] >= 0.9
+    local = [task.evaluate(m)["accuracy"] for m in models]
+    averaged = evaluate_average(task, models)["accuracy"]
+    assert averaged >= 0.9, (algo, averaged, local)
+    assert distance < 10.0, (algo, distance)
 
 
 def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
@@ -89,3 +115,22 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     assert "restarting" in {r["state"] for r in runs[1]}
     for records in runs:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
+
+
+def test_readme_user_script_trains_through_the_daemons(daemons):
+    """The README's `peerd train --script examples/my_script.py` runs as written, on two hosts."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    script = Path(__file__).resolve().parents[1] / "examples" / "my_script.py"
+    assert "peerd train --script examples/my_script.py" in readme
+    assert script.read_text().split('"""', 2)[2].strip() in readme.replace("```python\n", "")
+    ds = swarm(daemons, 2, "u")
+    procs = [start_train(d, "--script", str(script), "--world", "2") for d in ds]
+    runs = finish(procs)
+    for d, records in zip(ds, runs):
+        assert records[-1]["state"] == "done"
+        assert records[-1]["iteration"] >= 295
+        log = next(d.data_dir.glob("trainer-*.log")).read_text()
+        acc = float(re.search(r"accuracy (\d\.\d+)", log).group(1))
+        assert acc > 0.9, log

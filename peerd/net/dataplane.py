@@ -466,7 +466,7 @@ class DataPlane:
         if h.run_id != self.run_id:
             raise TransferError("run_mismatch", f"header.run_id {h.run_id!r}, this node serves run "
                                 f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
-        if h.kind not in self.kinds:
+        if _base_kind(h.kind) not in self.kinds:
             raise TransferError("bad_header", f"header.kind {h.kind[:40]!r} not one of {sorted(self.kinds)}")
         if h.compression not in tw.ROUNDING_BOUND:
             raise TransferError("bad_header", f"header.compression {h.compression} unknown")
@@ -487,7 +487,7 @@ class DataPlane:
         if wire.nbytes != h.wire_bytes:
             raise TransferError("bad_layout", f"header.wire_bytes {h.wire_bytes} does not match the "
                                 f"{wire.nbytes} bytes the layout has on the wire")
-        want = self.layouts.get(h.kind)
+        want = self.layouts.get(h.kind, self.layouts.get(_base_kind(h.kind)))
         if want is not None and not want.same_shapes(layout):
             raise TransferError("layout_mismatch", f"layout of {h.kind!r} differs from the run's "
                                 f"({_diff(want, layout)})", grpc.StatusCode.FAILED_PRECONDITION)
@@ -520,7 +520,7 @@ class DataPlane:
                 raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
                                     f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
             kind = req.kind or "model"
-            if kind not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
+            if _base_kind(kind) not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
                 raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
             snap = None
             if self.source is not None:
@@ -769,6 +769,12 @@ class _Assembly:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+def _base_kind(kind: str) -> str:
+    """"model:3f2a..." -> "model": a kind may carry a tag after a colon (the daemon tags each
+    training run's transfers, so a late update of one run never reaches the next)."""
+    return kind.partition(":")[0]
+
 
 def _auth_node(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():

@@ -401,9 +401,13 @@ class Daemon:
 
     # --- data plane ---------------------------------------------------------------------------
     def _on_received(self, rec: Received) -> None:
-        if rec.kind in ("model", "carry"):
+        base, _, tag = rec.kind.partition(":")
+        if base in ("model", "carry"):
             if self.training is not None:
-                self.training.on_received(rec)
+                if tag == self.training.tag:
+                    self.training.on_received(rec)
+                else:
+                    rec.release()  # a late update of an earlier run
                 return
             if len(self._early) < self.cfg.train_early_updates:
                 self._early.append(rec)  # the peer's run started before ours; replayed at start
@@ -411,7 +415,7 @@ class Daemon:
         rec.release()
 
     def _pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
-        if kind == "model" and self.training is not None:
+        if self.training is not None and kind == self.training.kind("model"):
             return self.training.serve_pull(requester)
         return None
 
@@ -441,7 +445,10 @@ class Daemon:
         self.training = run
         early, self._early = self._early, []
         for rec in early:
-            run.on_received(rec)
+            if rec.kind.partition(":")[2] == run.tag:
+                run.on_received(rec)
+            else:
+                rec.release()
 
     def end_run(self, run) -> None:
         if self.training is run:
@@ -478,6 +485,10 @@ def run_daemon(cfg: Config, secret: bytes) -> int:
                 raise StartupError("--event-loop uvloop: uvloop is not installed") from None
             log.warning("uvloop is not installed; running on the stock asyncio loop")
     daemon = None
+
+    import torch
+
+    torch.set_num_threads(1)  # the mix is a few large ops; more threads fight the trainer for cores
 
     async def main() -> None:
         nonlocal daemon

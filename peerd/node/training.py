@@ -23,8 +23,13 @@ Readings chosen here (the policy docstrings cover the algorithms):
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import hashlib
+import json
 import logging
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -136,6 +141,10 @@ class TrainingRun:
         self.rank = nodes.index(daemon.node_id)
         self.n = len(nodes)
         self.session = uuid.uuid4().hex[:12]
+        # Every host of this run derives the same tag; transfers carry it, so a late update of one
+        # run never reaches the next.
+        self.tag = hashlib.sha1(json.dumps([dataclasses.asdict(spec) | {"slowdown": 0}, nodes],
+                                           sort_keys=True).encode()).hexdigest()[:12]
         topo = topology.make(spec.topology, self.n)
         opts = registry.options(daemon.cfg, spec.algorithm)
         for key in ("backup", "staleness", "max_ig", "max_skip"):
@@ -148,12 +157,15 @@ class TrainingRun:
         self.wire: tw.Layout | None = None
         self.slots: list[torch.Tensor] = []
         self.slot_paths: list[Path] = []
-        self.own: dict[int, torch.Tensor] = {}
+        self.own: dict[int, torch.Tensor] = {}        # my published parameters, by iteration
+        self.own_out: dict[int, Outgoing] = {}         # the same, ready to push (checksummed once)
+        self.sending: collections.Counter[int] = collections.Counter()  # queued pushes per iteration
         self.live_k = -1
         self.received: dict[tuple[int, int], Received] = {}
         self.unattached: list[Received] = []   # updates that arrived before our trainer attached
+        self.deferred_sends: list[ev.Send] = []  # sends asked for before we had parameters
         self.mix_waiters: dict[int, asyncio.Future] = {}
-        self.ready_mixes: dict[int, ev.Mix] = {}
+        self.ready_mixes: dict[int, tuple[ev.Mix, int, torch.Tensor | None]] = {}
         self.skip_after: dict[int, int] = {}
         self.pending_average: list[tuple[tuple[int, int, float], ...]] = []
         self.queues: dict[int, asyncio.Queue] = {}
@@ -161,12 +173,17 @@ class TrainingRun:
         self.progress = Progress()
         self.changed = asyncio.Event()
         self.dropped_nonfinite = 0
-        self.trainer: asyncio.subprocess.Process | None = None
+        self.trainer: subprocess.Popen | None = None
         self.done = asyncio.Event()
+        self.draining = False                  # trainer finished; still serving the peers' last pulls
+        self.pending_publish: tuple[int, int] | None = None
         self._pool: list[torch.Tensor] = []
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
         self.checkpoint_dir = daemon.data.path / "checkpoints" / f"{daemon.cfg.run_id}-{self.session}"
+
+    def kind(self, base: str) -> str:
+        return f"{base}:{self.tag}"
 
     # --- events into the policy -----------------------------------------------------------------
     def feed(self, event: ev.Event) -> None:
@@ -181,9 +198,9 @@ class TrainingRun:
     def apply_all(self, actions: list[ev.Action]) -> None:
         for action in actions:
             self.apply(action)
-        # A Skip follows its Mix in the same batch: answer the trainer only once all are applied.
+        # A Skip follows its Mix in the same batch: answer the trainer once all are applied.
         for k in list(self.ready_mixes):
-            self._finish_mix(k)
+            self._answer_mix(k)
 
     def apply(self, a: ev.Action) -> None:
         match a:
@@ -194,9 +211,12 @@ class TrainingRun:
             case ev.Grant():
                 self._queue(a.dst).put_nowait(("grant", a.n))
             case ev.Mix():
-                self.ready_mixes[a.k] = a
+                self._compute_mix(a)   # now: a Drop later in the batch may free its inputs
             case ev.Average():
-                self.pending_average.append(a.entries)
+                # Captured now: the policy drops the carried update in the same batch.
+                self.pending_average.append(tuple(
+                    (None if (src == self.rank and k == ev.CURRENT) else self._entry_buffer(src, k), w)
+                    for src, k, w in a.entries))
             case ev.Skip():
                 self.skip_after[self.policy.k] = a.to
                 self.progress.skipped += max(0, a.to - self.policy.k - 1)
@@ -252,7 +272,7 @@ class TrainingRun:
         if old is not None:
             old.release()  # a duplicate: keep the newest copy
         self.received[(src, rec.iteration)] = rec
-        if rec.kind == "carry":
+        if rec.kind.startswith("carry"):
             self.feed(ev.PullRequested(src, rec.iteration, carried=True))
         else:
             self.feed(ev.UpdateArrived(src, rec.iteration))
@@ -285,10 +305,14 @@ class TrainingRun:
     def _send(self, a: ev.Send) -> None:
         buf = self._buffer_for(a.k, a.live)
         if buf is None:
-            log.debug("nothing to send for iteration %d", a.k)
+            # Asked before our trainer published anything (a peer started first): answer with our
+            # first parameters as soon as they exist.
+            if a.live or a.k == ev.CURRENT or a.k > self.live_k:
+                self.deferred_sends.append(a)
             return
         k = self.live_k if (a.live or a.k == ev.CURRENT) else a.k
-        self._queue(a.dst).put_nowait(("model", k, buf))
+        self.sending[k] += 1
+        self._queue(a.dst).put_nowait((self.kind("model"), k, self.own_out[k]))
 
     def _queue(self, dst: int) -> asyncio.Queue:
         """One ordered sender per destination: updates arrive in iteration order."""
@@ -302,18 +326,22 @@ class TrainingRun:
         node = self.nodes[dst]
         while True:
             item = await q.get()
-            member = self.d.membership.get(node)
-            if member is None:
-                continue
             try:
+                member = self.d.membership.get(node)
+                if member is None:
+                    continue
                 if item[0] == "grant":
                     await self.d.grant_tokens(member.address, item[1], self.policy.k)
                 else:
-                    _, k, buf = item
-                    await self.d.push_tensor(member.address, node, Outgoing.from_buffer(buf, self.wire),
-                                             iteration=k, kind=item[0])
+                    kind, k, outgoing = item
+                    await self.d.push_tensor(member.address, node, outgoing, iteration=k, kind=kind)
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
+            finally:
+                if item[0] != "grant":
+                    self.sending[item[1]] -= 1
+                    if self.sending[item[1]] <= 0:
+                        del self.sending[item[1]]
 
     async def _pull(self, dst: int, carry_k: int) -> None:
         node = self.nodes[dst]
@@ -321,17 +349,30 @@ class TrainingRun:
         if member is None:
             return
         try:
-            if carry_k != ev.CURRENT and carry_k in self.own:
-                await self.d.push_tensor(member.address, node, Outgoing.from_buffer(self.own[carry_k], self.wire),
-                                         iteration=carry_k, kind="carry")
+            if carry_k != ev.CURRENT and carry_k in self.own_out:
+                await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
+                                         kind=self.kind("carry"))
             else:
-                rec = await self.d.pull_tensor(member.address, node)
-                self.on_received(rec)
+                self.on_received(await self._pull_until_served(node))
         except (TransferError, grpc.aio.AioRpcError) as e:
-            # The policy hears of a dead peer from the failure detector; a failed pull alone is
-            # not proof of death (a busy peer, a slow link).
             log.info("pull from %s failed: %s", node, e)
-            self.feed(ev.Tick())
+
+    async def _pull_until_served(self, node: str) -> Received:
+        """A peer that has no parameters yet (its trainer is starting) answers NOT_FOUND: ask
+        again, backing off, for as long as it is alive. The failure detector, not a failed pull,
+        tells the policy that a peer is gone."""
+        delay = 0.02
+        while True:
+            member = self.d.membership.get(node)
+            if member is None or member.state.value not in ("alive", "suspect"):
+                raise TransferError("peer_down", f"{node} is not alive")
+            try:
+                return await self.d.pull_tensor(member.address, node, kind=self.kind("model"))
+            except TransferError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     # --- the trainer's side -------------------------------------------------------------------
     def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
@@ -344,8 +385,8 @@ class TrainingRun:
         else:
             self.layout = layout
             self.wire = wire_layout(layout)
-            self.d.dataplane.set_layout("model", self.wire)
-            self.d.dataplane.set_layout("carry", self.wire)
+            self.d.dataplane.set_layout(self.kind("model"), self.wire)
+            self.d.dataplane.set_layout(self.kind("carry"), self.wire)
             base = slot_dir(self.d.data.path)
             self.slot_paths = [base / f"peerd-{self.d.node_id}-{self.session}-{i}" for i in range(2)]
             self.slots = [map_slot(p, layout.total_bytes, create=True) for p in self.slot_paths]
@@ -363,11 +404,22 @@ class TrainingRun:
         if req.slot >= len(self.slots):
             raise RunError(f"slot {req.slot} does not exist")
         k = req.iteration
-        if k <= self.live_k:
+        if k <= self.live_k or (self.pending_publish and k <= self.pending_publish[0]):
             raise RunError(f"iteration {k} published after {self.live_k}")
+        # Answer first, snapshot right after (the next callback of the loop, before any later RPC
+        # of this trainer): the trainer goes on computing while the daemon copies the slot. The
+        # slot is not written again before publish k+2, which comes after mix k.
+        self.pending_publish = (k, req.slot)
+        asyncio.get_running_loop().call_soon(self._complete_publish)
+
+    def _complete_publish(self) -> None:
+        if self.pending_publish is None:
+            return
+        (k, slot), self.pending_publish = self.pending_publish, None
         snap = self._pool.pop() if self._pool else torch.empty(self.layout.total_bytes, dtype=torch.uint8)
-        snap.copy_(self.slots[req.slot])
+        snap.copy_(self.slots[slot])
         self.own[k] = snap
+        self.own_out[k] = Outgoing.from_buffer(snap, self.wire)
         self.live_k = k
         self._retire_own()
         now = time.monotonic()
@@ -376,12 +428,18 @@ class TrainingRun:
             self.progress.rate = 1 / dt if self.progress.rate == 0 else 0.8 * self.progress.rate + 0.2 / dt
         self._last_iter_t = now
         self.progress.iteration = k
+        deferred, self.deferred_sends = self.deferred_sends, []
+        for send in deferred:
+            self._send(send)
         self.feed(ev.Published(k))
 
     def _retire_own(self) -> None:
         keep = max(8, int(self.d.cfg.hop_max_ig) + 4)
         for k in sorted(self.own)[:-keep]:
-            self._pool.append(self.own.pop(k))
+            snap = self.own.pop(k)
+            del self.own_out[k]
+            if not self.sending.get(k):
+                self._pool.append(snap)  # reused only when no push of it is still queued
         del self._pool[2:]
 
     async def mix(self, req: cpb.MixRequest) -> cpb.MixReply:
@@ -390,6 +448,7 @@ class TrainingRun:
             raise RunError("mix before attach")
         if k in self.mix_waiters:
             raise RunError(f"mix of iteration {k} already requested")
+        self._complete_publish()
         fut = asyncio.get_running_loop().create_future()
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
@@ -402,36 +461,64 @@ class TrainingRun:
         finally:
             self.mix_waiters.pop(k, None)
 
-    def _finish_mix(self, k: int) -> None:
-        fut = self.mix_waiters.get(k)
-        mix = self.ready_mixes.get(k)
-        if fut is None or mix is None or fut.done():
-            return
-        del self.ready_mixes[k]
-        out = self.slots[self.mix_slot]
+    def _compute_mix(self, mix: ev.Mix) -> None:
+        """Write the mix of iteration k into the slot the trainer asked for, or into a staging
+        buffer when the policy mixes before the trainer asks."""
+        waiting = mix.k in self.mix_waiters and self.layout is not None
+        out = self.slots[self.mix_slot] if waiting else torch.empty(self.layout.total_bytes, dtype=torch.uint8)
         used = self._weighted_sum(out, mix.entries)
-        for entries in self.pending_average:
-            self._weighted_sum(out, entries, current=out.clone())
+        for captured in self.pending_average:
+            self._average_into(out, captured)
         self.pending_average.clear()
+        self.ready_mixes[mix.k] = (mix, used, None if waiting else out)
+
+    def _answer_mix(self, k: int) -> None:
+        fut = self.mix_waiters.get(k)
+        if fut is None or fut.done() or k not in self.ready_mixes:
+            return
+        mix, used, staged = self.ready_mixes.pop(k)
+        if staged is not None:
+            self.slots[self.mix_slot].copy_(staged)
         self.progress.peers_in_last_mix = max(0, used - 1)
         skip = self.skip_after.pop(k, 0)
-        fut.set_result(cpb.MixReply(iteration=k, skip_to=skip, entries=[
-            cpb.MixEntry(src=self.nodes[s], iteration=max(i, 0), weight=w) for s, i, w in mix.entries]))
+        # No entries: nothing could be mixed and the trainer keeps its own x_k.
+        entries = [cpb.MixEntry(src=self.nodes[s], iteration=max(i, 0), weight=w) for s, i, w in mix.entries] \
+            if used else []
+        fut.set_result(cpb.MixReply(iteration=k, skip_to=skip, entries=entries))
 
-    def _weighted_sum(self, out: torch.Tensor, entries, current: torch.Tensor | None = None) -> int:
-        """out = sum(w * params(src, k)) on the typed runs of the layout; weights renormalised over
-        the buffers actually present. Returns how many buffers were used."""
+    def _entry_buffer(self, src: int, k: int) -> torch.Tensor | None:
+        if src == self.rank:
+            return self._buffer_for(k, False)
+        rec = self.received.get((src, k))
+        return rec.buffer.clone() if rec is not None else None
+
+    def _average_into(self, out: torch.Tensor, captured) -> None:
+        """AD-PSGD's passive average, applied on top of this iteration's mix (None: the mix itself)."""
+        parts = [(out.clone() if buf is None else buf, w) for buf, w in captured if w > 0]
+        self._combine(out, [(b, w) for b, w in parts if b is not None])
+
+    def _weighted_sum(self, out: torch.Tensor, entries) -> int:
+        """out = sum(w * params(src, k)); weights renormalised over the buffers actually present.
+        Returns how many buffers were used."""
         parts = []
         for src, k, w in entries:
             if src == self.rank:
-                buf = current if (current is not None and k == ev.CURRENT) else self._buffer_for(k, False)
+                buf = self._buffer_for(k, False)
             else:
                 rec = self.received.get((src, k))
                 buf = rec.buffer if rec is not None else None
             if buf is not None and w > 0:
                 parts.append((buf, w))
+            elif buf is None:
+                log.debug("mix entry (%d, %d) has no buffer; held: %s", src, k, sorted(self.received))
+        self._combine(out, parts)
+        return len(parts)
+
+    def _combine(self, out: torch.Tensor, parts: list[tuple[torch.Tensor, float]]) -> None:
+        """out = sum of w * buf over parts, per typed run of the layout (a few large ops, no
+        per-tensor loop)."""
         if not parts:
-            return 0
+            return
         total = sum(w for _, w in parts)
         outs = self.layout.typed(out)
         first = True
@@ -442,7 +529,6 @@ class TrainingRun:
                 else:
                     o.add_(t, alpha=w / total)
             first = False
-        return len(parts)
 
     def on_metric(self, m: cpb.Metric) -> None:
         p = self.progress
@@ -482,11 +568,13 @@ class TrainingRun:
         while True:
             log_path = self.d.data.path / f"trainer-{self.session}.log"
             with open(log_path, "ab") as logf:
-                self.trainer = await asyncio.create_subprocess_exec(
-                    *self.trainer_argv(), env=self.trainer_env(), stdout=logf, stderr=asyncio.subprocess.STDOUT)
+                # subprocess uses vfork+exec: no fork handlers run in a child of a process whose
+                # gRPC threads are busy (a plain fork there can crash or hang the child).
+                self.trainer = subprocess.Popen(self.trainer_argv(), env=self.trainer_env(), stdout=logf,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 log.info("trainer pid %d started (rank %d of %d, %s, %s); log %s", self.trainer.pid, self.rank,
                          self.n, self.spec.algorithm, self.spec.task or " ".join(self.spec.script), log_path)
-                code = await self.trainer.wait()
+                code = await asyncio.to_thread(self.trainer.wait)
             if code == 0:
                 self.progress.state, self.progress.message = "done", "trainer finished"
                 break
@@ -516,13 +604,13 @@ class TrainingRun:
         if self.progress.state not in ("done", "failed"):
             self.progress.state = "stopping"
         proc = self.trainer
-        if proc is not None and proc.returncode is None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
-                await asyncio.wait_for(proc.wait(), self.d.cfg.shutdown_grace + 2)
+                await asyncio.wait_for(asyncio.to_thread(proc.wait), self.d.cfg.shutdown_grace + 2)
             except asyncio.TimeoutError:
                 proc.kill()
-                await proc.wait()
+                await asyncio.to_thread(proc.wait)
         for task in list(self._tasks):
             task.cancel()
         if self.timer is not None:
@@ -536,6 +624,9 @@ class TrainingRun:
                 fut.set_exception(RunError("run stopped"))
         for p in self.slot_paths:
             p.unlink(missing_ok=True)
+        if self.wire is not None:
+            for base in ("model", "carry"):
+                self.d.dataplane.set_layout(self.kind(base), None)
         self.done.set()
 
     def _spawn(self, coro, name: str) -> None:
@@ -574,8 +665,11 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
     except RunError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
     if daemon.training is not None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "peerd: a training run is already active on this daemon")
+        if not daemon.training.draining:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "peerd: a training run is already active on this daemon")
+        await daemon.training.stop()   # a finished run still serving its peers gives way
+        daemon.end_run(daemon.training)
     started = time.monotonic()
     nodes = form_world(daemon, spec.world)
     while nodes is None:
@@ -609,5 +703,18 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         yield run.progress_message()
     finally:
         supervisor.cancel()
+        if run.progress.state == "done" and daemon.training is run:
+            # Our trainer is done, our peers may not be: keep answering their pulls and taking
+            # their updates (with our final parameters) for a bounded time.
+            run.draining = True
+            asyncio.get_running_loop().create_task(_drain(daemon, run))
+        else:
+            await run.stop()
+            daemon.end_run(run)
+
+
+async def _drain(daemon: "Daemon", run: TrainingRun) -> None:
+    await asyncio.sleep(daemon.cfg.train_drain_timeout)
+    if daemon.training is run:
         await run.stop()
         daemon.end_run(run)
