@@ -28,24 +28,29 @@ def _step(msg: str) -> None:
 def run_training(swarm: list[LocalDaemon], algo: str, args: list[str], slow: int, slowdown: float,
                  scale: float, timeout: float) -> list[list[dict]]:
     """`peerd train` on every host at once; each host's JSON progress records, with wall times."""
-    procs = []
+    procs, outputs = [], []
     for i, d in enumerate(swarm):
         extra = ["--slowdown", str(scale * (slowdown if i == slow else 1))]
-        procs.append(subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", "--algo", algo,
-                                                *args, *extra),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    records: list[list[dict]] = []
+        out = d.data_dir.parent / f"{d.data_dir.name}-{algo}.jsonl"
+        outputs.append(out)
+        with open(out, "w") as fh:  # a file, not a pipe: a full pipe would stall the progress stream
+            procs.append(subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", "--algo",
+                                                    algo, *args, *extra),
+                                          stdout=fh, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise click.ClickException(f"{algo}: training did not finish within {timeout:.0f}s")
+    records: list[list[dict]] = []
+    for p, out in zip(procs, outputs):
+        lines = out.read_text().splitlines()
         if p.returncode != 0:
-            raise click.ClickException(f"{algo}: peerd train failed: {err.strip()[-500:]}")
-        records.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+            raise click.ClickException(f"{algo}: peerd train failed: {' '.join(lines[-5:])[-500:]}")
+        records.append([json.loads(line) for line in lines if line.startswith("{")])
     return records
 
 
@@ -113,7 +118,7 @@ def plot(results: dict[str, list[list[dict]]], path: Path, slow: int) -> bool:
 
 @click.command()
 @click.option("--hosts", default=4, show_default=True, type=click.IntRange(3, 8), help="daemons to start")
-@click.option("--iterations", default=300, show_default=True, help="training iterations per run")
+@click.option("--iterations", default=200, show_default=True, help="training iterations per run")
 @click.option("--slowdown", default=4.0, show_default=True, help="how much slower the last host computes")
 @click.option("--target", default=0.9, show_default=True, help="accuracy every host must reach")
 @click.option("--compute-scale", default=20.0, show_default=True,

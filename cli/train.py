@@ -73,7 +73,7 @@ def train(task, script, algorithm, topology, world, iterations, seed, non_iid, b
         for p in stub.Train(req):
             last = p
             if as_json:
-                click.echo(json.dumps({"t": time.time(), "state": p.state, "iteration": p.iteration,
+                click.echo(json.dumps({"t": p.wall_time or time.time(), "state": p.state, "iteration": p.iteration,
                                        "loss": p.loss, "it_per_s": p.iterations_per_s,
                                        "metric_name": p.metric_name, "metric": p.metric, "rank": p.rank,
                                        "gap": p.gap_to_fastest, "peers_in_last_mix": p.peers_in_last_mix,

@@ -641,7 +641,7 @@ class TrainingRun:
                                  iterations_per_s=p.rate, peers_in_last_mix=p.peers_in_last_mix,
                                  gap_to_fastest=gap, elapsed_s=time.monotonic() - p.started,
                                  metric_name=p.metric_name, metric=p.metric, rank=self.rank, world=self.n,
-                                 trainer_restarts=p.restarts, skipped=p.skipped)
+                                 trainer_restarts=p.restarts, skipped=p.skipped, wall_time=time.time())
 
     def state(self) -> dict[str, Any]:
         return {"rank": self.rank, "world": self.n, "algorithm": self.spec.algorithm,

@@ -123,7 +123,7 @@ class TrainRequest(_message.Message):
     def __init__(self, task: _Optional[str] = ..., algorithm: _Optional[str] = ..., topology: _Optional[str] = ..., world: _Optional[int] = ..., iterations: _Optional[int] = ..., seed: _Optional[int] = ..., non_iid: _Optional[bool] = ..., slowdown: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., script: _Optional[_Iterable[str]] = ..., eval_every: _Optional[int] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
 
 class TrainProgress(_message.Message):
-    __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped")
+    __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped", "wall_time")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class TrainProgress(_message.Message):
     WORLD_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_FIELD_NUMBER: _ClassVar[int]
     state: str
     message: str
     iteration: int
@@ -152,7 +153,8 @@ class TrainProgress(_message.Message):
     world: int
     trainer_restarts: int
     skipped: int
-    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., iterations_per_s: _Optional[float] = ..., peers_in_last_mix: _Optional[int] = ..., gap_to_fastest: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., metric_name: _Optional[str] = ..., metric: _Optional[float] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., trainer_restarts: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    wall_time: float
+    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., iterations_per_s: _Optional[float] = ..., peers_in_last_mix: _Optional[int] = ..., gap_to_fastest: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., metric_name: _Optional[str] = ..., metric: _Optional[float] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., trainer_restarts: _Optional[int] = ..., skipped: _Optional[int] = ..., wall_time: _Optional[float] = ...) -> None: ...
 
 class LayoutEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape")
