@@ -1,6 +1,7 @@
 """Real daemons on loopback: peering through gossip, failure detection, restart, wrong secret, shutdown."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import time
 
 from tests.daemons import peer_states, wait_for
 
-DETECTION_BOUND = 2.0 + 1.0 + 1.5  # dead_after + heartbeat/retry slack + status polling
+DETECTION_BOUND = 2.0 + 0.2 + 1.5  # dead_after + one heartbeat interval + scheduling slack
 
 
 def test_chain_of_seeds_gossips_to_full_membership_then_detects_crash_and_readmits(daemons):
@@ -25,11 +26,15 @@ def test_chain_of_seeds_gossips_to_full_membership_then_detects_crash_and_readmi
     wait_for(all_see_all, 15, "every daemon to list the other 3 as alive")
 
     victim_id = d3.node_id
+    killed_at = time.time()
     d3.kill(signal.SIGKILL)
-    killed_at = time.monotonic()
     wait_for(lambda: all(peer_states(d).get(victim_id) == "dead" for d in (d1, d2, d4)),
-             DETECTION_BOUND + 3, "the others to mark the killed daemon dead")
-    assert time.monotonic() - killed_at < DETECTION_BOUND + 3
+             30, "the others to mark the killed daemon dead")
+    # When each daemon decided, from its own event log (polling `peerd status` is slow on a busy host)
+    for d in (d1, d2, d4):
+        events = [json.loads(line) for line in (d.data_dir / "events.jsonl").read_text().splitlines()]
+        [dead_at] = [e["t"] for e in events if e.get("peer") == victim_id and e.get("new") == "dead"]
+        assert dead_at - killed_at < DETECTION_BOUND, (d.node_id, dead_at - killed_at)
 
     d3.start()
     st = d3.wait_ready()
