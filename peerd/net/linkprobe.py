@@ -59,6 +59,8 @@ async def probe_loop(table: LinkTable, run_probe: Callable[[Probe], Awaitable[fl
                 key = (p.peer, p.kind)
                 if key in running:
                     continue        # still queued or running past the table's deadline: it will report
+                if p.kind != BW and (p.peer, BW) in running:
+                    continue        # a ping behind our own bulk probe measures its queue, not the path
                 task = asyncio.get_running_loop().create_task(one(p), name=f"probe {p.kind} {p.peer}")
                 running[key] = task
                 task.add_done_callback(lambda _t, key=key: running.pop(key, None))
