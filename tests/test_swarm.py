@@ -93,7 +93,7 @@ def test_sigterm_stops_within_5s_tells_peers_and_cleans_up(daemons):
     assert d2.proc.returncode == 0
     assert not sock.exists(), "the control socket is removed"
     # it said goodbye: the other side marks it left, not dead after a timeout
-    wait_for(lambda: peer_states(d1).get(d2.node_id) == "left", 3, "goodbye to reach t1")
+    wait_for(lambda: peer_states(d1).get(d2.node_id) == "left", 15, "goodbye to reach t1")
     # no child process left behind
     children = subprocess.run(["pgrep", "-P", str(d2.proc.pid)], capture_output=True, text=True).stdout
     assert children.strip() == ""
