@@ -213,14 +213,16 @@ class PublishReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MixRequest(_message.Message):
-    __slots__ = ("session_id", "iteration", "slot")
+    __slots__ = ("session_id", "iteration", "slot", "metric")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     iteration: int
     slot: int
-    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    metric: Metric
+    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ...) -> None: ...
 
 class MixEntry(_message.Message):
     __slots__ = ("src", "iteration", "weight")
@@ -298,3 +300,15 @@ class Directive(_message.Message):
     iteration: int
     reason: str
     def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., iteration: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DirectRequest(_message.Message):
+    __slots__ = ("directive",)
+    DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    directive: Directive
+    def __init__(self, directive: _Optional[_Union[Directive, _Mapping]] = ...) -> None: ...
+
+class DirectReply(_message.Message):
+    __slots__ = ("delivered",)
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    delivered: int
+    def __init__(self, delivered: _Optional[int] = ...) -> None: ...

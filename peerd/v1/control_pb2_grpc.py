@@ -74,6 +74,11 @@ class ControlStub:
                 request_serializer=peerd_dot_v1_dot_control__pb2.DirectivesRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_control__pb2.Directive.FromString,
                 _registered_method=True)
+        self.Direct = channel.unary_unary(
+                '/peerd.v1.Control/Direct',
+                request_serializer=peerd_dot_v1_dot_control__pb2.DirectRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.DirectReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -127,6 +132,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Direct(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Directives,
                     request_deserializer=peerd_dot_v1_dot_control__pb2.DirectivesRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_control__pb2.Directive.SerializeToString,
+            ),
+            'Direct': grpc.unary_unary_rpc_method_handler(
+                    servicer.Direct,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.DirectRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.DirectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Control:
             '/peerd.v1.Control/Directives',
             peerd_dot_v1_dot_control__pb2.DirectivesRequest.SerializeToString,
             peerd_dot_v1_dot_control__pb2.Directive.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Direct(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Control/Direct',
+            peerd_dot_v1_dot_control__pb2.DirectRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.DirectReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -258,3 +258,33 @@ class TokenGrant(_message.Message):
 class TokenReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TrainerNotice(_message.Message):
+    __slots__ = ("sender", "run_id", "tag", "state", "iteration")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[TrainerNotice.State]
+        STATE_ABSENT: _ClassVar[TrainerNotice.State]
+        STATE_RESUMING: _ClassVar[TrainerNotice.State]
+        STATE_FINISHED: _ClassVar[TrainerNotice.State]
+    STATE_UNSPECIFIED: TrainerNotice.State
+    STATE_ABSENT: TrainerNotice.State
+    STATE_RESUMING: TrainerNotice.State
+    STATE_FINISHED: TrainerNotice.State
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    tag: str
+    state: TrainerNotice.State
+    iteration: int
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., tag: _Optional[str] = ..., state: _Optional[_Union[TrainerNotice.State, str]] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class TrainerNoticeReply(_message.Message):
+    __slots__ = ("iteration",)
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    def __init__(self, iteration: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class PeerStub:
                 request_serializer=peerd_dot_v1_dot_peer__pb2.TokenGrant.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peer__pb2.TokenReply.FromString,
                 _registered_method=True)
+        self.NoticeTrainer = channel.unary_unary(
+                '/peerd.v1.Peer/NoticeTrainer',
+                request_serializer=peerd_dot_v1_dot_peer__pb2.TrainerNotice.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -117,6 +122,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NoticeTrainer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +165,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GrantTokens,
                     request_deserializer=peerd_dot_v1_dot_peer__pb2.TokenGrant.FromString,
                     response_serializer=peerd_dot_v1_dot_peer__pb2.TokenReply.SerializeToString,
+            ),
+            'NoticeTrainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.NoticeTrainer,
+                    request_deserializer=peerd_dot_v1_dot_peer__pb2.TrainerNotice.FromString,
+                    response_serializer=peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +361,33 @@ class Peer:
             '/peerd.v1.Peer/GrantTokens',
             peerd_dot_v1_dot_peer__pb2.TokenGrant.SerializeToString,
             peerd_dot_v1_dot_peer__pb2.TokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NoticeTrainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Peer/NoticeTrainer',
+            peerd_dot_v1_dot_peer__pb2.TrainerNotice.SerializeToString,
+            peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.FromString,
             options,
             channel_credentials,
             insecure,
