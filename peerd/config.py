@@ -132,7 +132,11 @@ class Config:
     train_progress_interval: float = _f(0.5, "seconds between progress records streamed to `peerd train`")
     train_max_restarts: int = _f(5, "times a crashed trainer is restarted from its checkpoint before the run fails")
     train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
-    train_drain_timeout: float = _f(30.0, "seconds a finished run keeps serving peers that are still training")
+    train_drain_timeout: float = _f(30.0, "most seconds a finished run keeps serving peers that are still training "
+                                          "(it stops as soon as every other host finished or is gone)")
+    train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
+                                                "(then mixes without it until its next update); a crashed or "
+                                                "finished trainer is announced at once and not waited for at all")
 
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "

@@ -17,10 +17,10 @@ from tests.daemons import peer_states, wait_for
 pytestmark = pytest.mark.slow
 
 
-def swarm(daemons, n: int, prefix: str):
-    ds = [daemons(f"{prefix}0")]
+def swarm(daemons, n: int, prefix: str, extra: list[str] = ()):
+    ds = [daemons(f"{prefix}0", extra=extra)]
     for i in range(1, n):
-        ds.append(daemons(f"{prefix}{i}", seeds=[ds[0].address]))
+        ds.append(daemons(f"{prefix}{i}", seeds=[ds[0].address], extra=extra))
     ids = {d.node_id for d in ds}
     wait_for(lambda: all(set(peer_states(d)) == ids - {d.node_id} and
                          set(peer_states(d).values()) == {"alive"} for d in ds), 20, "a full swarm")
@@ -104,8 +104,29 @@ def test_four_hosts_train_digits_with_every_algorithm(four_hosts, algo):
     assert distance < 10.0, (algo, distance)
 
 
+def longest_stall(records: list[dict]) -> tuple[float, int]:
+    """Longest time between consecutive completed iterations in one host's progress records (the
+    daemon's clock): from the first record at iteration i to the first one past it, from the first
+    completed iteration on (before it, the trainer is starting)."""
+    worst, where, since, at = 0.0, -1, None, None
+    for r in records:
+        if r["state"] not in ("training", "done") or r["iteration"] < 1:
+            continue
+        if at is None or r["iteration"] > at:
+            if since is not None and r["t"] - since > worst:
+                worst, where = r["t"] - since, at
+            since, at = r["t"], r["iteration"]
+    return worst, where
+
+
+STALL_BOUND = 5.0   # train_silent_peer_timeout of these daemons: the most a host waits on a silent neighbour
+
+
 def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
-    ds = swarm(daemons, 2, "k")
+    """SIGKILL one host's trainer mid-run: its daemon restarts it from the checkpoint, the run
+    reaches the target, and the other host never stalls longer than train_silent_peer_timeout
+    (its daemon hears of the crash at once and does not wait for the restarting trainer)."""
+    ds = swarm(daemons, 2, "k", extra=["--train-silent-peer-timeout", str(STALL_BOUND)])
     procs = [start_train(d, "--task", "svm", "--world", "2", "--iterations", "400", "--algo", "hop-backup",
                          "--eval-every", "100") for d in ds]
     victim = ds[1]
@@ -118,6 +139,12 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     runs = finish(procs)
     assert any(r["restarts"] == 1 for r in runs[1])
     assert "restarting" in {r["state"] for r in runs[1]}
+    stall, where = longest_stall(runs[0])
+    crash, crash_k = next((r["t"], r["iteration"]) for r in runs[1] if r["state"] == "restarting")
+    resumed = next(r["t"] for r in runs[1] if r["t"] > crash and r["iteration"] > crash_k)
+    print(f"longest stall of the other host: {stall:.2f}s at iteration {where} (bound {STALL_BOUND}s); "
+          f"the trainer was down {resumed - crash:.1f}s")
+    assert stall <= STALL_BOUND, stall
     for records in runs:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
 

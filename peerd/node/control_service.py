@@ -44,7 +44,7 @@ class ControlService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"peerd: trainer of run {request.run_id!r}, daemon runs {self.d.cfg.run_id!r}")
         try:
-            return run.attach(request)
+            return await run.attach(request)
         except (LayoutMismatch, ValueError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: refused attach: {e}")
 

@@ -437,6 +437,22 @@ class Daemon:
         await stub(pb.TokenGrant(sender=self.node_id, run_id=self.cfg.run_id, tokens=n, iteration=max(iteration, 0)),
                    metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
 
+    async def notice_trainer(self, address: str, tag: str, state: int, iteration: int) -> int:
+        """Tell a peer our trainer's state in run `tag`; returns the peer's iteration (-1: none)."""
+        method = f"/{PEER_SERVICE}/NoticeTrainer"
+        stub = self._channel(address).unary_unary(method, request_serializer=pb.TrainerNotice.SerializeToString,
+                                                  response_deserializer=pb.TrainerNoticeReply.FromString)
+        reply = await stub(pb.TrainerNotice(sender=self.node_id, run_id=self.cfg.run_id, tag=tag, state=state,
+                                            iteration=max(iteration, 0)),
+                           metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
+        return reply.iteration
+
+    def on_trainer_notice(self, n: pb.TrainerNotice) -> int:
+        run = self.training
+        if run is None or n.tag != run.tag:
+            return -1
+        return run.on_notice(n.sender, n.state, n.iteration)
+
     def on_tokens(self, sender: str, n: int) -> None:
         if self.training is not None:
             self.training.on_tokens(sender, n)

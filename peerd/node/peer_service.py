@@ -116,6 +116,13 @@ class PeerService:
         self.d.on_tokens(request.sender, request.tokens)
         return pb.TokenReply()
 
+    async def NoticeTrainer(self, request: pb.TrainerNotice, context) -> pb.TrainerNoticeReply:
+        await self._check_claim(context, request.sender, "NoticeTrainer")
+        if request.run_id != self.d.cfg.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peerd: notice for run {request.run_id!r}, this daemon runs {self.d.cfg.run_id!r}")
+        return pb.TrainerNoticeReply(iteration=self.d.on_trainer_notice(request))
+
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             "SayHello": unary(self.SayHello, pb.Hello, pb.HelloReply),
@@ -123,6 +130,7 @@ class PeerService:
             "Ping": unary(self.Ping, pb.PingRequest, pb.PingReply),
             "SayLeave": unary(self.SayLeave, pb.Leave, pb.LeaveReply),
             "GrantTokens": unary(self.GrantTokens, pb.TokenGrant, pb.TokenReply),
+            "NoticeTrainer": unary(self.NoticeTrainer, pb.TrainerNotice, pb.TrainerNoticeReply),
         }
 
 

@@ -19,6 +19,18 @@ Readings chosen here (the policy docstrings cover the algorithms):
   Mix, on top of the mix result: the trainer owns its working parameters between Publish and Mix.
 - Peers that the failure detector marks dead (or that leave) become PeerDown for the policy, so no
   policy waits on a dead peer; they come back as PeerUp.
+- A live daemon whose trainer does not contribute is "absent" to its neighbours, also PeerDown:
+  its daemon announces a crashed trainer (ABSENT) and a finished one (FINISHED) at once, through
+  the same ordered queue as its updates (so the notice never overtakes its last update). Without
+  a notice (a hung trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout`
+  is treated as absent until its next update. So no host waits on a silent neighbour longer than
+  that bound.
+- A restarted trainer resumes at the run's iteration, not its own: its daemon asks the live
+  neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
+  resets its token edges as a PeerUp from each; a neighbour re-admits it at its first update.
+  Resuming where it crashed would hold the neighbours that ran on at Hop's gap bound.
+- A finished run drains (serves pulls and queued pushes with its final parameters) only until
+  every other host of the run has finished or is gone, at most `train_drain_timeout`.
 """
 from __future__ import annotations
 
@@ -181,6 +193,9 @@ class TrainingRun:
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
         self.checkpoint_dir = daemon.data.path / "checkpoints" / f"{daemon.cfg.run_id}-{self.session}"
+        self.absent: dict[int, str] = {}       # neighbours not contributing: "restarting", "finished", "silent"
+        self.resync: dict[int, int] = {}       # after a restart: neighbours' iterations, applied at publish
+        self._silent_timer: asyncio.TimerHandle | None = None
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -237,11 +252,76 @@ class TrainingRun:
 
     def peer_down(self, node_id: str) -> None:
         if node_id in self.nodes and node_id != self.d.node_id:
-            self.feed(ev.PeerDown(self.nodes.index(node_id)))
+            src = self.nodes.index(node_id)
+            if self.absent.get(src) != "finished":
+                self.absent.pop(src, None)   # the failure detector's word supersedes a notice
+            self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
         if node_id in self.nodes and node_id != self.d.node_id:
-            self.feed(ev.PeerUp(self.nodes.index(node_id)))
+            src = self.nodes.index(node_id)
+            if src not in self.absent:       # an absent peer comes back with its next update
+                self.feed(ev.PeerUp(src, max(self.progress.newest_seen, 0)))
+
+    def _set_absent(self, src: int, why: str) -> None:
+        if src == self.rank or self.absent.get(src) == why:
+            return
+        was = src in self.absent or src in self.policy.dead
+        self.absent[src] = why
+        log.info("neighbour %s is %s: not waited for", self.nodes[src], why)
+        if not was:
+            self.feed(ev.PeerDown(src))
+
+    def _set_present(self, src: int, k: int) -> None:
+        if self.absent.get(src) in ("restarting", "silent"):
+            del self.absent[src]
+            log.info("neighbour %s contributes again from iteration %d", self.nodes[src], k)
+            member = self.d.membership.get(self.nodes[src])
+            if member is not None and member.state.value in ("alive", "suspect"):
+                self.feed(ev.PeerUp(src, k))
+
+    def on_notice(self, sender: str, state: int, k: int) -> int:
+        """A neighbour's trainer stopped, resumes or finished; returns our iteration."""
+        if sender in self.nodes and sender != self.d.node_id:
+            src = self.nodes.index(sender)
+            if state == pb.TrainerNotice.STATE_ABSENT:
+                self._set_absent(src, "restarting")
+            elif state == pb.TrainerNotice.STATE_FINISHED:
+                self._set_absent(src, "finished")
+        return self.policy.k
+
+    def _announce(self, state: int) -> None:
+        """Tell every other host of the run, each behind the updates already queued for it."""
+        for dst in range(self.n):
+            if dst != self.rank:
+                self._queue(dst).put_nowait(("notice", state, self.policy.k))
+
+    def _silent_check(self, k: int) -> None:
+        """Mix k has waited `train_silent_peer_timeout`: stop waiting for the peers it waits on."""
+        self._silent_timer = None
+        fut = self.mix_waiters.get(k)
+        if fut is None or fut.done():
+            return
+        for src in list(self.policy.waiting.on):
+            log.warning("no update from %s for %.1fs at iteration %d: not waited for until it sends one",
+                        self.nodes[src], self.d.cfg.train_silent_peer_timeout, k)
+            self._set_absent(src, "silent")
+        if not fut.done():   # still waiting (on someone else now): check again after the bound
+            self._arm_silent(k)
+
+    def _arm_silent(self, k: int) -> None:
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+        self._silent_timer = asyncio.get_running_loop().call_later(
+            self.d.cfg.train_silent_peer_timeout, self._silent_check, k)
+
+    def drained(self) -> bool:
+        """Nothing left to serve: every other host finished or gone, no push queued."""
+        others = [i for i in range(self.n) if i != self.rank]
+        return not self.sending and all(
+            self.absent.get(i) == "finished" or i in self.policy.dead or
+            (m := self.d.membership.get(self.nodes[i])) is None or m.state.value not in ("alive", "suspect")
+            for i in others)
 
     # --- data arriving from peers -------------------------------------------------------------
     def on_received(self, rec: Received) -> None:
@@ -249,6 +329,8 @@ class TrainingRun:
         if src < 0:
             rec.release()
             return
+        if src in self.absent:
+            self._set_present(src, rec.iteration)
         if self.layout is None:
             # Our trainer has not attached yet (a slow start): hold the update until it does.
             if len(self.unattached) < self.d.cfg.train_early_updates:
@@ -332,13 +414,15 @@ class TrainingRun:
                     continue
                 if item[0] == "grant":
                     await self.d.grant_tokens(member.address, item[1], self.policy.k)
+                elif item[0] == "notice":
+                    await self.d.notice_trainer(member.address, self.tag, item[1], item[2])
                 else:
                     kind, k, outgoing = item
                     await self.d.push_tensor(member.address, node, outgoing, iteration=k, kind=kind)
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
             finally:
-                if item[0] != "grant":
+                if item[0] not in ("grant", "notice"):
                     self.sending[item[1]] -= 1
                     if self.sending[item[1]] <= 0:
                         del self.sending[item[1]]
@@ -375,7 +459,7 @@ class TrainingRun:
             delay = min(1.0, delay * 2)
 
     # --- the trainer's side -------------------------------------------------------------------
-    def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
+    async def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
         layout = Layout.build((e.name, e.dtype, tuple(e.shape)) for e in req.layout)
         if req.total_bytes and req.total_bytes != layout.total_bytes:
             raise LayoutMismatch(f"total size {req.total_bytes} bytes announced, the layout needs "
@@ -394,9 +478,31 @@ class TrainingRun:
             for rec in held:
                 self.on_received(rec)
         start = max(self.policy.k + 1, 0)
+        if self.progress.restarts and self.policy.k >= 0:
+            start = max(start, await self._resume_point())
         return cpb.AttachReply(node_id=self.d.node_id, session_id=self.session,
                                slot_paths=[str(p) for p in self.slot_paths], start_iteration=start,
                                rank=self.rank, world=self.n)
+
+    async def _resume_point(self) -> int:
+        """The lowest iteration of the live neighbours (ask them, bounded by rpc_timeout); they
+        are re-synchronised as PeerUp at our first publish."""
+        async def ask(i: int) -> tuple[int, int]:
+            m = self.d.membership.get(self.nodes[i])
+            if m is None or i in self.policy.dead:
+                return i, -1
+            try:
+                return i, await self.d.notice_trainer(m.address, self.tag, pb.TrainerNotice.STATE_RESUMING,
+                                                      self.policy.k)
+            except grpc.aio.AioRpcError as e:
+                log.info("resume: %s did not answer: %s", self.nodes[i], e.code().name)
+                return i, -1
+        replies = await asyncio.gather(*(ask(i) for i in range(self.n) if i != self.rank))
+        self.resync = {i: k for i, k in replies if k >= 0}
+        start = min(self.resync.values(), default=-1)
+        log.info("trainer restarted: resuming at iteration %d (own %d, neighbours %s)", max(start, self.policy.k + 1),
+                 self.policy.k, self.resync)
+        return start
 
     def publish(self, req: cpb.PublishRequest) -> None:
         if self.layout is None:
@@ -432,6 +538,9 @@ class TrainingRun:
         for send in deferred:
             self._send(send)
         self.feed(ev.Published(k))
+        resync, self.resync = self.resync, {}
+        for src, kj in resync.items():
+            self.feed(ev.PeerUp(src, kj))
 
     def _retire_own(self) -> None:
         keep = max(8, int(self.d.cfg.hop_max_ig) + 4)
@@ -453,6 +562,8 @@ class TrainingRun:
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
         self.feed(ev.MixRequested(k))
+        if not fut.done():
+            self._arm_silent(k)
         try:
             return await asyncio.wait_for(fut, self.d.cfg.train_mix_timeout)
         except asyncio.TimeoutError:
@@ -460,6 +571,9 @@ class TrainingRun:
                            f"{self.policy.state().get('waiting', '')}") from None
         finally:
             self.mix_waiters.pop(k, None)
+            if self._silent_timer is not None:
+                self._silent_timer.cancel()
+                self._silent_timer = None
 
     def _compute_mix(self, mix: ev.Mix) -> None:
         """Write the mix of iteration k into the slot the trainer asked for, or into a staging
@@ -577,9 +691,11 @@ class TrainingRun:
                 code = await asyncio.to_thread(self.trainer.wait)
             if code == 0:
                 self.progress.state, self.progress.message = "done", "trainer finished"
+                self._announce(pb.TrainerNotice.STATE_FINISHED)
                 break
             if self.progress.state == "stopping":
                 break
+            self._announce(pb.TrainerNotice.STATE_ABSENT)
             self.progress.restarts += 1
             if self.progress.restarts > self.d.cfg.train_max_restarts:
                 self.fail(f"trainer exited {code} and was restarted {self.progress.restarts - 1} times; "
@@ -646,6 +762,7 @@ class TrainingRun:
     def state(self) -> dict[str, Any]:
         return {"rank": self.rank, "world": self.n, "algorithm": self.spec.algorithm,
                 "policy": self.policy.state(), "held_updates": len(self.received),
+                "absent": {self.nodes[i]: why for i, why in self.absent.items()},
                 "dropped_nonfinite": self.dropped_nonfinite}
 
 
@@ -714,7 +831,10 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
 
 
 async def _drain(daemon: "Daemon", run: TrainingRun) -> None:
-    await asyncio.sleep(daemon.cfg.train_drain_timeout)
+    deadline = time.monotonic() + daemon.cfg.train_drain_timeout
+    while time.monotonic() < deadline and daemon.training is run and not run.drained():
+        await asyncio.sleep(0.1)
+    log.info("run %s drained after %.1fs", run.tag, daemon.cfg.train_drain_timeout - (deadline - time.monotonic()))
     if daemon.training is run:
         await run.stop()
         daemon.end_run(run)
