@@ -15,7 +15,7 @@ def _register() -> None:
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
-    for command in (demo.demo, train.train, lab.lab, bench.bench, sim.sim):
+    for command in (demo.demo, train.train, train.ctl, lab.lab, bench.bench, sim.sim):
         cli.add_command(command)
 
 

@@ -94,3 +94,37 @@ def train(task, script, algorithm, topology, world, iterations, seed, non_iid, b
     if last is not None and not as_json:
         click.echo(_line(last, iterations))
     sys.exit(0 if last is not None and last.state == "done" else 1)
+
+
+ACTIONS = {"pause": "KIND_PAUSE", "resume": "KIND_RESUME", "checkpoint": "KIND_CHECKPOINT", "stop": "KIND_STOP",
+           "skip-to": "KIND_SKIP_TO"}
+
+
+@click.command()
+@click.argument("action", type=click.Choice(list(ACTIONS)))
+@click.argument("iteration", type=int, required=False)
+@click.option("--reason", default="", help="recorded in the trainer's log")
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="seconds to wait for the daemon")
+@data_dir_option
+def ctl(action, iteration, reason, timeout, data_dir) -> None:
+    """Direct this host's trainer: pause, resume, checkpoint (now), stop (cleanly, after a final
+    checkpoint), skip-to ITERATION.
+
+    A paused host is announced to its neighbours, which go on without it; on resume it continues
+    at their iteration.
+    """
+    from peerd.v1 import control_pb2 as cpb
+
+    if (action == "skip-to") != (iteration is not None):
+        raise click.UsageError("ITERATION goes with skip-to, and only with it")
+    d = cpb.Directive(kind=cpb.Directive.Kind.Value(ACTIONS[action]), iteration=iteration or 0, reason=reason)
+    channel, stub = control_stub(data_dir)
+    try:
+        reply = stub.Direct(cpb.DirectRequest(directive=d), timeout=timeout)
+    except grpc.RpcError as e:
+        raise click.ClickException(f"{e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    if not reply.delivered:
+        raise click.ClickException(f"{action}: no trainer attached to this host's run yet; try again")
+    click.echo(f"{action}: sent to {reply.delivered} trainer(s)")

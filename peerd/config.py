@@ -134,6 +134,8 @@ class Config:
     train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
     train_drain_timeout: float = _f(30.0, "most seconds a finished run keeps serving peers that are still training "
                                           "(it stops as soon as every other host finished or is gone)")
+    train_pause_timeout: float = _f(3600.0, "most seconds a trainer stays paused (`peerd ctl pause`) before it "
+                                            "resumes by itself")
     train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
                                                 "(then mixes without it until its next update); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")

@@ -76,6 +76,21 @@ class ControlService:
                 run.on_metric(metric)
         return cpb.MetricAck()
 
+    async def Directives(self, request: cpb.DirectivesRequest, context):
+        run = self._run(request.session_id)
+        if run is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peerd: no session {request.session_id!r}")
+        async for d in run.directives(context):
+            yield d
+
+    async def Direct(self, request: cpb.DirectRequest, context) -> cpb.DirectReply:
+        run = self._run()
+        if run is None or run.draining:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "peerd: no training run active on this daemon")
+        if request.directive.kind == cpb.Directive.KIND_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peerd: directive.kind: unspecified")
+        return cpb.DirectReply(delivered=await run.direct(request.directive))
+
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             "Status": unary(self.Status, cpb.StatusRequest, cpb.StatusReply),
@@ -83,6 +98,10 @@ class ControlService:
             "Attach": unary(self.Attach, cpb.AttachRequest, cpb.AttachReply),
             "Publish": unary(self.Publish, cpb.PublishRequest, cpb.PublishReply),
             "Mix": unary(self.Mix, cpb.MixRequest, cpb.MixReply),
+            "Direct": unary(self.Direct, cpb.DirectRequest, cpb.DirectReply),
+            "Directives": grpc.unary_stream_rpc_method_handler(
+                self.Directives, request_deserializer=cpb.DirectivesRequest.FromString,
+                response_serializer=cpb.Directive.SerializeToString),
             "Train": grpc.unary_stream_rpc_method_handler(
                 self.Train, request_deserializer=cpb.TrainRequest.FromString,
                 response_serializer=cpb.TrainProgress.SerializeToString),

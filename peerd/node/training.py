@@ -196,6 +196,9 @@ class TrainingRun:
         self.absent: dict[int, str] = {}       # neighbours not contributing: "restarting", "finished", "silent"
         self.resync: dict[int, int] = {}       # after a restart: neighbours' iterations, applied at publish
         self._silent_timer: asyncio.TimerHandle | None = None
+        self.subscribers: set[asyncio.Queue] = set()   # the trainer's Directives streams
+        self.paused = False
+        self.stop_requested = False
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -314,6 +317,45 @@ class TrainingRun:
             self._silent_timer.cancel()
         self._silent_timer = asyncio.get_running_loop().call_later(
             self.d.cfg.train_silent_peer_timeout, self._silent_check, k)
+
+    # --- directives to the trainer ---------------------------------------------------------------
+    async def direct(self, d: cpb.Directive) -> int:
+        """Deliver a directive to the subscribed trainer(s); returns how many got it.
+
+        PAUSE announces this host ABSENT (its neighbours go on without it); RESUME asks the
+        neighbours for their iteration and resumes there (the directive's iteration), as a restart
+        does, so the neighbours that ran on are not held at the gap bound."""
+        kind = cpb.Directive
+        if d.kind == kind.KIND_PAUSE and not self.paused:
+            self.paused = True
+            self.progress.state = "paused"
+            self._announce(pb.TrainerNotice.STATE_ABSENT)
+        elif d.kind == kind.KIND_RESUME and self.paused:
+            self.paused = False
+            if self.progress.state == "paused":
+                self.progress.state = "training"
+            d = cpb.Directive(kind=d.kind, reason=d.reason,
+                              iteration=max(d.iteration, await self._resume_point(), self.policy.k + 1))
+        elif d.kind == kind.KIND_STOP:
+            self.stop_requested = True
+        for q in self.subscribers:
+            q.put_nowait(d)
+        self.progress.message = f"{kind.Kind.Name(d.kind).removeprefix('KIND_').lower()} sent to the trainer"
+        self.changed.set()
+        return len(self.subscribers)
+
+    async def directives(self, context) -> Any:
+        """The trainer's subscription: directives until the run ends or the trainer goes away."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.subscribers.add(q)
+        try:
+            while not self.done.is_set():
+                try:
+                    yield await asyncio.wait_for(q.get(), self.d.cfg.train_progress_interval)
+                except asyncio.TimeoutError:
+                    continue
+        finally:
+            self.subscribers.discard(q)
 
     def drained(self) -> bool:
         """Nothing left to serve: every other host finished or gone, no push queued."""
@@ -671,7 +713,8 @@ class TrainingRun:
         env = dict(os.environ)
         env.update(PEERD_CONTROL_SOCKET=str(self.d.cfg.control_socket), PEERD_SESSION=self.session,
                    PEERD_RANK=str(self.rank), PEERD_WORLD=str(self.n), PEERD_SLOWDOWN=str(self.spec.slowdown),
-                   PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=self.d.cfg.run_id)
+                   PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=self.d.cfg.run_id,
+                   PEERD_PAUSE_TIMEOUT=str(self.d.cfg.train_pause_timeout))
         return env
 
     async def supervise(self) -> None:
@@ -690,7 +733,8 @@ class TrainingRun:
                          self.n, self.spec.algorithm, self.spec.task or " ".join(self.spec.script), log_path)
                 code = await asyncio.to_thread(self.trainer.wait)
             if code == 0:
-                self.progress.state, self.progress.message = "done", "trainer finished"
+                self.progress.state = "done"
+                self.progress.message = "trainer stopped by a directive" if self.stop_requested else "trainer finished"
                 self._announce(pb.TrainerNotice.STATE_FINISHED)
                 break
             if self.progress.state == "stopping":

@@ -7,10 +7,17 @@
 Tensors never travel over protobuf here. The daemon hands out two shared-memory slot files at
 attach; publish(k) copies x_k into slot k % 2 and tells the daemon, which snapshots it before it
 answers; mix(k) asks the daemon to write the mix into the other slot and returns a view of it.
+
+Directives (`peerd ctl pause|resume|checkpoint|stop|skip-to`) arrive on a stream that a
+background thread reads from attach on; the training loop takes them at an iteration boundary
+with ``directives()`` (non-blocking) or ``next_directive(timeout)``. The built-in worker honours
+them (peerd.train.worker.apply_directives); a user's script may call the same helper.
 """
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from pathlib import Path
 
 import grpc
@@ -44,6 +51,8 @@ class DaemonExchange:
         self.node_id = ""
         self._slots: list[torch.Tensor] = []
         self._layout: Layout | None = None
+        self._directives: queue.Queue = queue.Queue()
+        self._stream = None
 
     def attach(self, layout: Layout) -> int:
         req = cpb.AttachRequest(layout=[cpb.LayoutEntry(name=n, dtype=d, shape=s) for n, d, s in layout.specs()],
@@ -58,7 +67,33 @@ class DaemonExchange:
         self.session, self.rank, self.world, self.node_id = reply.session_id, reply.rank, reply.world, reply.node_id
         self._slots = [_map(p, layout.total_bytes) for p in reply.slot_paths]
         self._layout = layout
+        self._stream = self._stub.Directives(cpb.DirectivesRequest(session_id=self.session))
+        threading.Thread(target=self._read_directives, args=(self._stream,), name="peerd-directives",
+                         daemon=True).start()
         return reply.start_iteration
+
+    def _read_directives(self, stream) -> None:
+        try:
+            for d in stream:
+                self._directives.put(d)
+        except grpc.RpcError:
+            pass  # the stream ends with the run, the daemon or close()
+
+    def directives(self) -> list[cpb.Directive]:
+        """Directives received since the last call, oldest first (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self._directives.get_nowait())
+            except queue.Empty:
+                return out
+
+    def next_directive(self, timeout: float) -> cpb.Directive | None:
+        """Wait at most `timeout` seconds for the next directive."""
+        try:
+            return self._directives.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
 
     def publish(self, iteration: int, buf: torch.Tensor) -> None:
         slot = iteration % 2
@@ -81,6 +116,8 @@ class DaemonExchange:
         self._stub.ReportMetrics(iter([metric]), timeout=self.timeout)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
         self._channel.close()
 
 

@@ -5,11 +5,14 @@
 It attaches to the daemon named in its environment, resumes from its last checkpoint when there
 is one (a restart after a crash), honours the host's slowdown factor (PEERD_SLOWDOWN: each step
 takes that many times its real compute time, for experiments), writes checkpoints atomically, and
-reports loss and evaluation metrics to the daemon.
+reports loss and evaluation metrics to the daemon. At every iteration boundary it honours the
+daemon's directives (`apply_directives`): pause until resume, skip to an iteration, checkpoint now,
+stop cleanly after a final checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import signal
@@ -22,6 +25,7 @@ import torch
 from peerd.train.client import attach
 from peerd.train.optim import DecentralizedOptimizer
 from peerd.train.tasks import get_task
+from peerd.v1 import control_pb2 as cpb
 
 log = logging.getLogger("peerd.trainer")
 
@@ -49,6 +53,44 @@ def load_checkpoint(directory: Path) -> dict | None:
     if not path.exists():
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def apply_directives(exchange, opt: DecentralizedOptimizer, checkpoint, pause_timeout: float) -> bool:
+    """Honour the pending directives at an iteration boundary; False: stop now (after a checkpoint).
+
+    Pause blocks here until RESUME or STOP, at most `pause_timeout` seconds. RESUME and SKIP_TO
+    move the next iteration forward to the directive's (never back)."""
+    D = cpb.Directive
+    pending = collections.deque(exchange.directives())
+    paused, deadline = False, 0.0
+    while True:
+        if not pending:
+            if not paused:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("paused %.0fs without a resume: resuming", pause_timeout)
+                return True
+            d = exchange.next_directive(min(left, 1.0))
+            if d is not None:
+                pending.append(d)
+            continue
+        d = pending.popleft()
+        if d.kind == D.KIND_PAUSE:
+            if not paused:
+                log.info("paused at iteration %d", opt.iteration)
+            paused, deadline = True, time.monotonic() + pause_timeout
+        elif d.kind in (D.KIND_RESUME, D.KIND_SKIP_TO):
+            if d.kind == D.KIND_RESUME:
+                paused = False
+            if d.iteration > opt.iteration:
+                log.info("%s: continuing at iteration %d (was %d)", D.Kind.Name(d.kind), d.iteration, opt.iteration)
+                opt.iteration = d.iteration
+        elif d.kind == D.KIND_CHECKPOINT:
+            log.info("checkpoint now (iteration %d): %s", opt.iteration, checkpoint())
+        elif d.kind == D.KIND_STOP:
+            log.info("stop at iteration %d: %s", opt.iteration, checkpoint())
+            return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("rank %d of %d, task %s, optimizer %s, from iteration %d to %d, slowdown %.1fx",
              rank, world, args.task, inner, opt.iteration, end, slowdown)
     last_eval = opt.iteration
+    pause_timeout = float(os.environ.get("PEERD_PAUSE_TIMEOUT", "3600"))
     while opt.iteration < end:
+        if not apply_directives(exchange, opt, lambda: save_checkpoint(ckpt_dir, opt.iteration, model, opt),
+                                pause_timeout):
+            break
         t0 = time.perf_counter()
         opt.zero_grad()                      # publishes x_k: the exchange overlaps forward/backward
         loss = task.loss(model, next(batches))
