@@ -104,6 +104,25 @@ def test_four_hosts_train_digits_with_every_algorithm(four_hosts, algo):
     assert distance < 10.0, (algo, distance)
 
 
+TASKS = [  # task, algorithm, options, iterations, metric, bar (each host's own model, at the end)
+    ("svm", "hop-backup-skip", [], 100, "accuracy", 0.8),
+    ("lm", "d-psgd", ["--optimizer", "accumadam"], 80, "loss", 2.5),
+]
+
+
+@pytest.mark.parametrize("task,algo,options,iterations,metric,bar", TASKS, ids=[t[0] for t in TASKS])
+def test_four_hosts_train_svm_and_lm(four_hosts, task, algo, options, iterations, metric, bar):
+    """The other built-in tasks through the daemons: the linear SVM with Hop (backup, skipping) to
+    accuracy >= 0.8 in 100 iterations, the tiny LM with D-PSGD and AccumAdam to an evaluation loss
+    <= 2.5 in 80 (from ln 96 = 4.56), on every host."""
+    procs = [start_train(d, "--task", task, "--world", "4", "--iterations", str(iterations), "--algo", algo,
+                         "--eval-every", str(iterations), *options) for d in four_hosts]
+    for records in finish(procs):
+        last = records[-1]
+        assert last["state"] == "done" and last["metric_name"] == metric, last
+        assert (last["metric"] >= bar) if metric == "accuracy" else (last["metric"] <= bar), (task, algo, last)
+
+
 def longest_stall(records: list[dict]) -> tuple[float, int]:
     """Longest time between consecutive completed iterations in one host's progress records (the
     daemon's clock): from the first record at iteration i to the first one past it, from the first

@@ -29,6 +29,13 @@ Readings chosen here (the policy docstrings cover the algorithms):
   neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
   resets its token edges as a PeerUp from each; a neighbour re-admits it at its first update.
   Resuming where it crashed would hold the neighbours that ran on at Hop's gap bound.
+- Eager mix: where the policy's mix of k is fully determined by the iteration-k updates (D-PSGD,
+  Hop's standard mode: every live in-neighbour, exact k), the daemon requests the mix as soon as k
+  is published, so it is computed while the trainer runs its forward/backward, straight into the
+  slot the trainer's Mix(k) will name (the one it did not publish into; the published one is
+  already snapshotted). Mix(k) then only answers. Modes that mix "whatever is in hand" when the
+  gradient is ready (backup, staleness, asynchronous) keep requesting at Mix(k).
+- Metrics ride on MixRequest (no RPC per iteration); ReportMetrics stays for the last ones.
 - A finished run drains (serves pulls and queued pushes with its final parameters) only until
   every other host of the run has finished or is gone, at most `train_drain_timeout`.
 """
@@ -196,6 +203,10 @@ class TrainingRun:
         self.absent: dict[int, str] = {}       # neighbours not contributing: "restarting", "finished", "silent"
         self.resync: dict[int, int] = {}       # after a restart: neighbours' iterations, applied at publish
         self._silent_timer: asyncio.TimerHandle | None = None
+        self.eager = (self.policy.name in ("d-psgd", "hop") and getattr(self.policy, "backup", 1) == 0
+                      and getattr(self.policy, "staleness", 0) is None and not getattr(self.policy, "skip", True))
+        self.eager_k = -1                      # iteration whose mix was requested at publish
+        self.eager_slot = 0
         self.subscribers: set[asyncio.Queue] = set()   # the trainer's Directives streams
         self.paused = False
         self.stop_requested = False
@@ -583,6 +594,9 @@ class TrainingRun:
         resync, self.resync = self.resync, {}
         for src, kj in resync.items():
             self.feed(ev.PeerUp(src, kj))
+        if self.eager and len(self.slots) == 2:
+            self.eager_k, self.eager_slot = k, 1 - slot
+            self.feed(ev.MixRequested(k))
 
     def _retire_own(self) -> None:
         keep = max(8, int(self.d.cfg.hop_max_ig) + 4)
@@ -600,10 +614,15 @@ class TrainingRun:
         if k in self.mix_waiters:
             raise RunError(f"mix of iteration {k} already requested")
         self._complete_publish()
+        if req.HasField("metric"):
+            self.on_metric(req.metric)
         fut = asyncio.get_running_loop().create_future()
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
-        self.feed(ev.MixRequested(k))
+        if k == self.eager_k:
+            self._answer_mix(k)              # requested at publish; answered now if computed
+        else:
+            self.feed(ev.MixRequested(k))
         if not fut.done():
             self._arm_silent(k)
         try:
@@ -621,19 +640,24 @@ class TrainingRun:
         """Write the mix of iteration k into the slot the trainer asked for, or into a staging
         buffer when the policy mixes before the trainer asks."""
         waiting = mix.k in self.mix_waiters and self.layout is not None
-        out = self.slots[self.mix_slot] if waiting else torch.empty(self.layout.total_bytes, dtype=torch.uint8)
+        if waiting:
+            out, staged = self.slots[self.mix_slot], None
+        elif mix.k == self.eager_k:
+            out = staged = self.slots[self.eager_slot]   # free: the trainer published into the other one
+        else:
+            out = staged = torch.empty(self.layout.total_bytes, dtype=torch.uint8)
         used = self._weighted_sum(out, mix.entries)
         for captured in self.pending_average:
             self._average_into(out, captured)
         self.pending_average.clear()
-        self.ready_mixes[mix.k] = (mix, used, None if waiting else out)
+        self.ready_mixes[mix.k] = (mix, used, staged)
 
     def _answer_mix(self, k: int) -> None:
         fut = self.mix_waiters.get(k)
         if fut is None or fut.done() or k not in self.ready_mixes:
             return
         mix, used, staged = self.ready_mixes.pop(k)
-        if staged is not None:
+        if staged is not None and staged.data_ptr() != self.slots[self.mix_slot].data_ptr():
             self.slots[self.mix_slot].copy_(staged)
         self.progress.peers_in_last_mix = max(0, used - 1)
         skip = self.skip_after.pop(k, 0)

@@ -52,6 +52,7 @@ class DaemonExchange:
         self._slots: list[torch.Tensor] = []
         self._layout: Layout | None = None
         self._directives: queue.Queue = queue.Queue()
+        self._metric: cpb.Metric | None = None   # rides on the next Mix
         self._stream = None
 
     def attach(self, layout: Layout) -> int:
@@ -103,19 +104,31 @@ class DaemonExchange:
 
     def mix(self, iteration: int) -> MixResult:
         slot = (iteration + 1) % 2
-        reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot),
-                               timeout=self.timeout)
+        metric, self._metric = self._metric, None
+        reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot,
+                                              metric=metric), timeout=self.timeout)
         used = len(reply.entries)
         return MixResult(iteration, self._slots[slot] if used else None,
                          skip_to=reply.skip_to or None, used=used)
 
     def report(self, iteration: int, loss: float, samples: int = 0, step_time_s: float = 0.0,
                **extra: float) -> None:
+        """Metrics of the step that reached `iteration`: sent with the next Mix; evaluation results
+        (extra) and the last ones at close go at once."""
         metric = cpb.Metric(session_id=self.session, iteration=iteration, loss=loss, samples=samples,
                             step_time_s=step_time_s, extra={k: float(v) for k, v in extra.items()})
-        self._stub.ReportMetrics(iter([metric]), timeout=self.timeout)
+        self._metric = metric
+        if extra:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send a metric still waiting for a Mix."""
+        metric, self._metric = self._metric, None
+        if metric is not None:
+            self._stub.ReportMetrics(iter([metric]), timeout=self.timeout)
 
     def close(self) -> None:
+        self.flush()
         if self._stream is not None:
             self._stream.cancel()
         self._channel.close()
