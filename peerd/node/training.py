@@ -372,7 +372,7 @@ class TrainingRun:
         """Nothing left to serve: every other host finished or gone, no push queued."""
         others = [i for i in range(self.n) if i != self.rank]
         return not self.sending and all(
-            self.absent.get(i) == "finished" or i in self.policy.dead or
+            self.absent.get(i) == "finished" or
             (m := self.d.membership.get(self.nodes[i])) is None or m.state.value not in ("alive", "suspect")
             for i in others)
 
