@@ -53,6 +53,7 @@ class DaemonExchange:
         self._layout: Layout | None = None
         self._directives: queue.Queue = queue.Queue()
         self._metric: cpb.Metric | None = None   # rides on the next Mix
+        self._publishing = None                  # the Publish call in flight (its reply is read at mix)
         self._stream = None
 
     def attach(self, layout: Layout) -> int:
@@ -99,11 +100,20 @@ class DaemonExchange:
     def publish(self, iteration: int, buf: torch.Tensor) -> None:
         slot = iteration % 2
         self._slots[slot].copy_(buf)
-        self._stub.Publish(cpb.PublishRequest(session_id=self.session, iteration=iteration, slot=slot),
-                           timeout=self.timeout)
+        self._await_publish()
+        # The reply is not waited for here: the daemon answers at once but then snapshots the slot
+        # (and may compute the mix) on the same loop; the trainer reads the reply at mix time.
+        self._publishing = self._stub.Publish.future(
+            cpb.PublishRequest(session_id=self.session, iteration=iteration, slot=slot), timeout=self.timeout)
+
+    def _await_publish(self) -> None:
+        call, self._publishing = self._publishing, None
+        if call is not None:
+            call.result()   # raises the daemon's refusal, if any
 
     def mix(self, iteration: int) -> MixResult:
         slot = (iteration + 1) % 2
+        self._await_publish()   # Mix(k) must reach the daemon after Publish(k)
         metric, self._metric = self._metric, None
         reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot,
                                               metric=metric), timeout=self.timeout)
@@ -128,6 +138,7 @@ class DaemonExchange:
             self._stub.ReportMetrics(iter([metric]), timeout=self.timeout)
 
     def close(self) -> None:
+        self._await_publish()
         self.flush()
         if self._stream is not None:
             self._stream.cancel()
