@@ -121,6 +121,11 @@ def test_four_hosts_train_svm_and_lm(four_hosts, task, algo, options, iterations
         last = records[-1]
         assert last["state"] == "done" and last["metric_name"] == metric, last
         assert (last["metric"] >= bar) if metric == "accuracy" else (last["metric"] <= bar), (task, algo, last)
+    # Every host announced its finish: the runs stop draining well before train_drain_timeout (30 s).
+    t0 = time.monotonic()
+    wait_for(lambda: all((st := d.status()) and not st.get("training_json") for d in four_hosts), 15,
+             "every host to end its drained run")
+    print(f"{task}: runs drained {time.monotonic() - t0:.1f}s after the last host finished")
 
 
 def longest_stall(records: list[dict]) -> tuple[float, int]:
