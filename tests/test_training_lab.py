@@ -5,6 +5,7 @@ Runs as root (CI does); skips only where network namespaces cannot be made.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,7 +26,9 @@ ALGORITHMS = [("hop-backup-skip", 100, 0.8), ("d-psgd", 100, 0.8)]   # algorithm
 @pytest.fixture(scope="module")
 def straggler_lab(tmp_path_factory):
     d = tmp_path_factory.mktemp("trainlab") / "lab"
-    lab.up(profile.load("straggler", 4), d, Config(), daemon_args=FAST)
+    # A generous daemon start-up bound: on a loaded CI host 4 daemons importing torch take a while.
+    lab.up(profile.load("straggler", 4), d, dataclasses.replace(Config(), lab_ready_timeout=90.0),
+           daemon_args=FAST)
     try:
         lb = lab.Lab(d)
         deadline = time.monotonic() + 60
