@@ -144,6 +144,9 @@ def longest_stall(records: list[dict]) -> tuple[float, int]:
 
 
 STALL_BOUND = 5.0   # train_silent_peer_timeout of these daemons: the most a host waits on a silent neighbour
+# A stall between two completed iterations is that wait plus the host's own step and the progress
+# record's way to `peerd train`: allowed on top of the bound.
+STALL_SLACK = 1.0
 
 
 def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
@@ -168,7 +171,7 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     resumed = next(r["t"] for r in runs[1] if r["t"] > crash and r["iteration"] > crash_k)
     print(f"longest stall of the other host: {stall:.2f}s at iteration {where} (bound {STALL_BOUND}s); "
           f"the trainer was down {resumed - crash:.1f}s")
-    assert stall <= STALL_BOUND, stall
+    assert stall <= STALL_BOUND + STALL_SLACK, stall
     for records in runs:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
 

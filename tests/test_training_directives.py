@@ -13,7 +13,7 @@ import torch
 
 from peerd.node.localswarm import peerd_cmd
 from tests.daemons import wait_for
-from tests.test_training import STALL_BOUND, longest_stall, start_train, swarm
+from tests.test_training import STALL_BOUND, STALL_SLACK, longest_stall, start_train, swarm
 
 pytestmark = pytest.mark.slow
 
@@ -103,4 +103,4 @@ def test_directives_checkpoint_pause_resume_skip_stop(daemons):
         assert torch.load(ckpt, weights_only=True)["iteration"] == final
     stall, where = longest_stall(fa.records)
     print(f"host a's longest stall while b paused/resumed: {stall:.2f}s at iteration {where}")
-    assert stall <= STALL_BOUND, (stall, where)
+    assert stall <= STALL_BOUND + STALL_SLACK, (stall, where)
