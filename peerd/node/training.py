@@ -208,6 +208,7 @@ class TrainingRun:
         self.eager_k = -1                      # iteration whose mix was requested at publish
         self.eager_slot = 0
         self.subscribers: set[asyncio.Queue] = set()   # the trainer's Directives streams
+        self.notices_pending = 0               # our notices queued or in flight (a drain waits for them)
         self.paused = False
         self.stop_requested = False
 
@@ -308,6 +309,7 @@ class TrainingRun:
         """Tell every other host of the run, each behind the updates already queued for it."""
         for dst in range(self.n):
             if dst != self.rank:
+                self.notices_pending += 1
                 self._queue(dst).put_nowait(("notice", state, self.policy.k))
 
     def _silent_check(self, k: int) -> None:
@@ -369,9 +371,10 @@ class TrainingRun:
             self.subscribers.discard(q)
 
     def drained(self) -> bool:
-        """Nothing left to serve: every other host finished or gone, no push queued."""
+        """Nothing left to serve: every other host finished or gone, no push or notice of ours
+        queued (stopping the run cancels the senders: our own FINISHED must be out first)."""
         others = [i for i in range(self.n) if i != self.rank]
-        return not self.sending and all(
+        return not self.sending and not self.notices_pending and all(
             self.absent.get(i) == "finished" or
             (m := self.d.membership.get(self.nodes[i])) is None or m.state.value not in ("alive", "suspect")
             for i in others)
@@ -475,7 +478,9 @@ class TrainingRun:
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
             finally:
-                if item[0] not in ("grant", "notice"):
+                if item[0] == "notice":
+                    self.notices_pending -= 1
+                elif item[0] != "grant":
                     self.sending[item[1]] -= 1
                     if self.sending[item[1]] <= 0:
                         del self.sending[item[1]]
