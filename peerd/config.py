@@ -175,6 +175,24 @@ class Config:
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
                                                 "matrix; those between carry our own row and what changed")
 
+    # --- container start: link profile and user (peerd container start, peerd/container.py) ----
+    shape_dev: str = _f("eth0", "interface whose egress a container's link profile shapes", scope="container")
+    shape_rate: str = _f("", "rate of everything this container sends, e.g. 50mbit (empty: no limit)",
+                         scope="container")
+    shape_to: tuple = _f((), "per-destination rates DEST=RATE, comma-separated; DEST a host name, an "
+                             "IPv4 address or a CIDR prefix (e.g. peer1=10mbit,172.28.0.0/16=1gbit)",
+                         scope="container")
+    shape_delay: str = _f("", "delay added to every packet this container sends, e.g. 20ms "
+                              "(needs the netem qdisc on the host kernel)", scope="container")
+    shape_strict: bool = _f(False, "a link profile that cannot be applied stops the container "
+                                   "instead of starting the daemon unshaped", scope="container")
+    shape_resolve_timeout: float = _f(30.0, "seconds a container waits for the names in shape_to to resolve",
+                                      scope="container")
+    shape_cmd_timeout: float = _f(20.0, "bound on the tc commands a container runs at start, seconds",
+                                  scope="container")
+    container_user: str = _f("peerd", "user a container started as root runs peerd as: a name, UID or UID:GID",
+                             scope="container")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()
