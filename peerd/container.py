@@ -124,12 +124,12 @@ def _capabilities() -> int:
 def blocker(dev: str) -> str | None:
     """Why shaping cannot run in this process, or None."""
     if os.geteuid() != 0:
-        return (f"the container runs as uid {os.geteuid()}, not root (tc needs root: set `user: root` "
+        return (f"the container runs as uid {os.geteuid()}, not root (tc needs root: set user: root "
                 "on the service; peerd itself still runs unprivileged)")
     if not _capabilities() >> CAP_NET_ADMIN & 1:
-        return "the container lacks CAP_NET_ADMIN (add `cap_add: [NET_ADMIN]` to the service)"
+        return "the container lacks CAP_NET_ADMIN (add cap_add: [NET_ADMIN] to the service)"
     if shutil.which("tc") is None:
-        return "`tc` (iproute2) is not installed in the image"
+        return "tc (iproute2) is not installed in the image"
     if not Path("/sys/class/net", dev).exists():
         return f"no interface {dev!r} in this container (set PEERD_SHAPE_DEV)"
     return None
