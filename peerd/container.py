@@ -154,17 +154,27 @@ def apply(profile: LinkProfile, cfg: Config) -> list[str]:
     dst = classes(profile, cfg)
     t = cfg.shape_cmd_timeout
     clear = ["tc", "qdisc", "del", "dev", profile.dev, "root"]
-    netns.run(clear, t, check=False)  # a restarted container may find its own old root qdisc
     try:
-        netns.batch("tc", None, tc_lines(profile, dst, cfg), t)
-        return []
+        netns.run(clear, t, check=False)  # a restarted container may find its own old root qdisc
+        try:
+            netns.batch("tc", None, tc_lines(profile, dst, cfg), t)
+            return []
+        except LabError as e:
+            netns.run(clear, t, check=False)
+            if not (profile.delay_s and "qdisc kind is unknown" in str(e)):
+                raise
+        warning = (f"PEERD_SHAPE_DELAY={profile.delay_s * 1000:g}ms is NOT applied: this kernel has no "
+                   "netem qdisc (sch_netem)")
+        if profile.rate_bps is None and not profile.to:
+            raise ShapeError(warning)
+        try:
+            netns.batch("tc", None, tc_lines(profile, dst, cfg, delay=False), t)
+        except LabError:
+            netns.run(clear, t, check=False)
+            raise
+        return [warning + "; only the rates are applied"]
     except LabError as e:
-        netns.run(clear, t, check=False)
-        if not (profile.delay_s and "qdisc kind is unknown" in str(e)):
-            raise ShapeError(str(e)) from None
-    netns.batch("tc", None, tc_lines(profile, dst, cfg, delay=False), t)
-    return [f"PEERD_SHAPE_DELAY={profile.delay_s * 1000:g}ms is NOT applied: this kernel has no netem "
-            "qdisc (sch_netem); only the rates are applied"]
+        raise ShapeError(str(e)) from None
 
 
 def describe(profile: LinkProfile) -> str:

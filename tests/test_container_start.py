@@ -230,7 +230,8 @@ def entry(pair: Pair, python, args: list[str], env: dict[str, str], wrap: list[s
                             text=True, **kw)
 
 
-def run_entry(pair: Pair, python, args: list[str], env: dict[str, str], wrap: list[str] = ()) -> subprocess.CompletedProcess:
+def run_entry(pair: Pair, python, args: list[str], env: dict[str, str],
+              wrap: list[str] = ()) -> subprocess.CompletedProcess:
     p = entry(pair, python, args, env, wrap)
     try:
         out, err = p.communicate(timeout=STEP)
@@ -310,9 +311,11 @@ def test_profile_is_applied_with_the_lab_layout_and_holds_a_stream_to_its_rate(s
     # One TCP stream a -> b gets the destination's rate: about 95.6 % of it is TCP payload.
     goodput = transfer(shaped, TRANSFER_BYTES)
     ratio = goodput / (20e6 * shaping.GOODPUT_RATIO)
+    print(f"goodput a->b through a 20mbit class: {goodput / 1e6:.2f} Mbit/s, {ratio:.3f} of the expected")
     assert 0.85 < ratio < 1.08, f"{goodput / 1e6:.1f} Mbit/s through a 20mbit class (ratio {ratio:.2f})"
     # A second start (a restarted container) replaces the old root qdisc instead of failing.
-    again = run_entry(shaped, python, ["version"], entry_env(python, shape_rate="30mbit", container_user=f"{nobody[0]}"))
+    again = run_entry(shaped, python, ["version"],
+                      entry_env(python, shape_rate="30mbit", container_user=f"{nobody[0]}"))
     assert again.returncode == 0, again.stderr
     assert rate(classes(shaped)["1:1"]) == "30Mbit" and "1:100" not in classes(shaped)
 
@@ -332,7 +335,8 @@ def test_peerd_runs_unprivileged_after_shaping(shaped, nobody, python):
         data = home / "data"
         args = ["up", "--listen", f"{shaped.ip['a']}:7070", "--data-dir", str(data), "--run-id", "cs",
                 "--secret-file", str(secret), "--no-mdns"]
-        proc = entry(shaped, python, args, entry_env(python, shape_rate="50mbit", shape_strict="1", container_user=f"{uid}:{gid}"))
+        env = entry_env(python, shape_rate="50mbit", shape_strict="1", container_user=f"{uid}:{gid}")
+        proc = entry(shaped, python, args, env)
         try:
             deadline = time.monotonic() + DAEMON_READY
             while not (data / "peerd.sock").exists():
@@ -419,3 +423,7 @@ def test_delay_is_applied_where_netem_exists_and_said_missing_where_not(shaped, 
         assert "netem" not in qdiscs and "PEERD_SHAPE_DELAY=20ms is NOT applied" in p.stderr
         strict = run_entry(shaped, python, ["version"], {**env, "PEERD_SHAPE_STRICT": "1"})
         assert strict.returncode != 0 and not strict.stdout and "netem" in strict.stderr
+        shaped.unshape()
+        only = run_entry(shaped, python, ["version"], {**env, "PEERD_SHAPE_RATE": ""})  # a delay and nothing else
+        assert only.returncode == 0 and "shaping is OFF" in only.stderr and "netem" in only.stderr, only.stderr
+        assert "htb" not in shaped.tc("a", "qdisc", "show", "dev", "eth0")
