@@ -97,6 +97,18 @@ def test_delay_makes_every_leaf_a_netem_queue():
     assert not any("netem" in ln for ln in shaping.htb_commands("eth0", 10**8, [], **q))
 
 
+def test_dry_run_prints_the_lab_tc_commands():
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "PEERD_SHAPE_RATE": "100mbit",
+           "PEERD_SHAPE_TO": "10.9.0.0/16=1gbit,localhost=5mbit", "PEERD_LAB_QUEUE_MS": "50"}
+    p = subprocess.run([sys.executable, "-m", "cli.main", "container", "start", "--dry-run"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=STEP)
+    assert p.returncode == 0, p.stderr
+    want = shaping.htb_commands("eth0", 10**8, [shaping.DstClass(10**9, ("10.9.0.0/16",)),
+                                                shaping.DstClass(5 * 10**6, ("127.0.0.1",))],
+                                **shaping.settings(config_mod.Config(lab_queue_ms=50.0)))
+    assert p.stdout.splitlines() == want
+
+
 def test_users_root_is_refused():
     for spec in ("0", "0:0", "root", "1000:0"):
         with pytest.raises(container_mod.ShapeError, match="root"):
@@ -391,7 +403,8 @@ def test_without_net_admin_strict_does_not_start_peerd(shaped, nobody, python):
 def test_not_root_runs_peerd_as_is_and_says_shaping_is_off(shaped, nobody, python):
     uid, gid = nobody
     wrap = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
-    p = run_entry(shaped, python, ["version"], entry_env(python, shape_rate="50mbit"), wrap=wrap)
+    # `docker run IMAGE peerd version` hands the entrypoint a leading `peerd`: it is dropped.
+    p = run_entry(shaped, python, ["peerd", "version"], entry_env(python, shape_rate="50mbit"), wrap=wrap)
     assert p.returncode == 0 and p.stdout.startswith("peerd "), p.stderr
     assert "shaping is OFF" in p.stderr and "not root" in p.stderr
 
