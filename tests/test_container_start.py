@@ -124,7 +124,7 @@ def test_users_root_is_refused():
 
 def lab(test):
     """Root and namespaces; slow: each entrypoint run starts Python twice (the entry, then peerd),
-    and the peerd CLI imports torch at start (cli.bench), seconds each on a busy host."""
+    seconds on a busy host."""
     return pytest.mark.lab(pytest.mark.slow(test))
 
 
