@@ -193,6 +193,26 @@ class Config:
     container_user: str = _f("peerd", "user a container started as root runs peerd as: a name, UID or UID:GID",
                              scope="container")
 
+    # --- runtime model and `peerd plan` (peerd/plan) ---------------------------------------------
+    plan_overhead: float = _f(0.0, "seconds per iteration the runtime model adds to every contender "
+                                   "(optimizer step, bookkeeping)")
+    plan_iterations: int = _f(400, "iterations of the runtime model's max-plus sample path (steady state after 1/4)")
+    plan_sim_iterations: int = _f(150, "iterations per worker when the runtime model simulates a contender "
+                                       "(Hop with skipping, AAU)")
+    plan_backward_fraction: float = _f(0.67, "share of a step that is the backward pass, which DDP overlaps "
+                                             "its gradient all-reduce with")
+    plan_bucket_bytes: int = _f(25 << 20, "DDP gradient bucket, bytes: the last bucket's all-reduce is never hidden")
+    plan_unshaped_rate: float = _f(1.25e9, "bytes/s the runtime model assumes for a lab pair with no rate "
+                                           "(unshaped) or a link nobody measured yet")
+    plan_base_latency: float = _f(5e-5, "one-way seconds the runtime model adds to every lab pair (veth, bridge)")
+    plan_site_ratio: float = _f(0.25, "hosts whose measured bandwidth is at least this share of the fastest "
+                                      "link form one site (hierarchical All-Reduce on a live swarm)")
+    plan_default_step_time: float = _f(0.1, "seconds per step `--algo auto` plans with before the trainer "
+                                            "measured any")
+    plan_change_fraction: float = _f(0.3, "`--algo auto` re-plans when a link's rate or latency or the step "
+                                          "time moved by more than this fraction since the last plan")
+    plan_interval: float = _f(10.0, "seconds between checks whether `--algo auto` should re-plan")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()
