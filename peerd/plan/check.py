@@ -45,7 +45,7 @@ class Row:
 
     @property
     def flagged(self) -> bool:
-        return abs(self.error) > ERROR_BOUND
+        return bool(abs(self.error) > ERROR_BOUND)
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Scenario:
 
     @property
     def recommendation_ok(self) -> bool:
-        return self.recommended.measured <= (1 + RECOMMEND_BOUND) * self.fastest.measured
+        return bool(self.recommended.measured <= (1 + RECOMMEND_BOUND) * self.fastest.measured)
 
     def record(self) -> dict[str, Any]:
         return {"scenario": self.name, "recommended": self.recommended.contender,
@@ -113,7 +113,7 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
         except ValueError as e:
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(
-            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), pred))
+            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred)))
     out = []
     for name, rows in by_scen.items():
         out.append(Scenario(name, rows, min(rows, key=lambda r: r.predicted), min(rows, key=lambda r: r.measured)))

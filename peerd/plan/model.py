@@ -69,7 +69,11 @@ r_ji of the topology's flows as per-pair bandwidths; T = simulated time / iterat
 peerd's runtime always overlaps (the trainer publishes x_k before computing its gradient).
 
 Decentralized rows with overlap=True are what `peerd train` runs; overlap=False rows show what the
-overlap buys. The recommendation is the fastest runnable row. Per-iteration time only: the model
+overlap buys. Splitting (ours): the edges whose updates the mixes actually used in steady state (in
+hand at the mix; the last quarter of the sample path, the last half of a simulation) must connect
+every host; Hop's backup mode on a slow cut can run at the fast side's pace only because every
+update across the cut arrives too late and is dropped, so the sites never mix: such rows are marked
+`splits` and never recommended. The recommendation is the fastest runnable row that does not split. Per-iteration time only: the model
 says nothing about how many iterations each algorithm needs to reach a loss.
 """
 from __future__ import annotations
@@ -182,11 +186,12 @@ class Prediction:
     method: str                # all-reduce | max-plus | closed-form | simulator
     runnable: bool             # peerd (or DDP) runs exactly this
     speedup: float = 0.0       # over ring All-Reduce with overlap
+    connected: bool = True     # the updates it mixes in steady state reach every host (else it splits)
 
     def record(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "topology": self.topology, "overlap": self.overlap,
                 "iter_time_s": self.iter_time_s, "speedup": self.speedup, "method": self.method,
-                "runnable": self.runnable}
+                "runnable": self.runnable, "connected": self.connected}
 
 
 @dataclass(frozen=True)
@@ -310,8 +315,9 @@ def _edges(topo: Topology, k: int) -> list[tuple[int, int]]:
 
 def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options, *,
                       overlap: bool = True, backup: int = 0, staleness: int | None = None,
-                      max_ig: int | None = None) -> float:
-    """Steady-state seconds per iteration of the recursion in the module docstring."""
+                      max_ig: int | None = None, used: set[tuple[int, int]] | None = None) -> float:
+    """Steady-state seconds per iteration of the recursion in the module docstring. `used` collects
+    the edges (j, i) whose update was in hand at i's mix during the last quarter."""
     n, K = topo.n, max(8, opts.iterations)
     rng = np.random.default_rng(opts.seed + 104729)
     lag = staleness or 0
@@ -356,7 +362,12 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
             Pt = hist[k + 1 - max_ig]
             for (j, i) in es:                    # i -> j is an out-edge of i when j -> i is an in-edge
                 need[i] = max(need[i], Pt[j] + net.latency[j, i])
-        hist.append(np.maximum(P + C, need) + opts.overhead)
+        mix = np.maximum(P + C, need)
+        if used is not None and k >= 3 * K // 4:
+            for (j, i) in es:
+                if arr[i, j] <= mix[i]:
+                    used.add((j, i))
+        hist.append(mix + opts.overhead)
     k0 = K // 4
     return float((hist[K].max() - hist[k0].max()) / (K - k0))
 
@@ -416,7 +427,7 @@ def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
 # ---- simulated -------------------------------------------------------------------------------
 
 def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, topo_name: str,
-                        algorithm: str, opts: Options) -> float:
+                        algorithm: str, opts: Options, used: set[tuple[int, int]] | None = None) -> float:
     from peerd.sim.engine import SimSpec, Simulator
 
     class _GaussSim(Simulator):
@@ -446,7 +457,11 @@ def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topolo
     elif algorithm == "aau":
         o["staleness"] = opts.aau_staleness
     pols = registry.build(algorithm, n, topo, seed=opts.seed, **o)
-    sim = _GaussSim(spec, pols, name=algorithm)
+    def on_mix(_sim: Any, i: int, mix: Any) -> None:
+        if used is not None and mix.k >= K // 2:
+            used.update((src, i) for src, _, _ in mix.entries if src != i)
+
+    sim = _GaussSim(spec, pols, name=algorithm, on_mix=on_mix)
     sim.estimates = _estimates_with(sim, comp, opts, nbytes, r, net)  # type: ignore[method-assign]
     res = sim.run()
     if res.stalled:
@@ -499,10 +514,29 @@ def _rows(n: int) -> list[tuple[str, str]]:
     return rows
 
 
+def connected(n: int, edges: Iterable[tuple[int, int]]) -> bool:
+    """Every host reaches every other along the edges (strong connectivity)."""
+    out: dict[int, set[int]] = {i: set() for i in range(n)}
+    back: dict[int, set[int]] = {i: set() for i in range(n)}
+    for a, b in edges:
+        out[a].add(b)
+        back[b].add(a)
+
+    def reach(g: dict[int, set[int]]) -> int:
+        seen, stack = {0}, [0]
+        while stack:
+            for b in g[stack.pop()] - seen:
+                seen.add(b)
+                stack.append(b)
+        return len(seen)
+    return n < 2 or (reach(out) == n and reach(back) == n)
+
+
 def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo_name: str,
-                opts: Options, overlap: bool = True) -> float:
+                opts: Options, overlap: bool = True, used: set[tuple[int, int]] | None = None) -> float:
     """Predicted seconds per iteration of one decentralized contender (or 'ddp', topology 'ring' or
-    'hierarchical')."""
+    'hierarchical'). `used` (max-plus and simulated contenders) collects the edges whose updates
+    the mixes used in steady state."""
     n = net.n
     if comp.mean.shape != (n,):
         raise ValueError(f"compute: {comp.mean.shape[0]} hosts, network has {n}")
@@ -516,15 +550,15 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
         return float(comp.mean[0] + opts.overhead)
     topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
     if algorithm in ("d-psgd", "sgp"):
-        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap)
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, used=used)
     if algorithm == "hop":
-        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, max_ig=opts.max_ig)
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, max_ig=opts.max_ig, used=used)
     if algorithm == "hop-backup":
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, backup=opts.backup,
-                                 max_ig=opts.max_ig)
+                                 max_ig=opts.max_ig, used=used)
     if algorithm == "hop-staleness":
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, staleness=opts.staleness,
-                                 max_ig=max(opts.max_ig, opts.staleness + 1))
+                                 max_ig=max(opts.max_ig, opts.staleness + 1), used=used)
     if algorithm.startswith("netmax"):
         kind = {"netmax": "opt"}.get(algorithm, algorithm.partition("-")[2])
         return netmax_iteration(net, comp, nbytes, topo, opts, overlap, kind)
@@ -533,7 +567,7 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
     if algorithm in SIMULATED:
         if not overlap:
             raise ValueError(f"overlap: {algorithm} is simulated with overlap only")
-        return simulated_iteration(net, comp, nbytes, topo, topo_name, algorithm, opts)
+        return simulated_iteration(net, comp, nbytes, topo, topo_name, algorithm, opts, used)
     raise ValueError(f"algorithm: no runtime model for {algorithm!r}")
 
 
@@ -565,17 +599,20 @@ def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None
     for a, t, ov in cands:
         if keep is not None and a not in keep and a != DDP:
             continue
-        T = predict_one(net, comp, nbytes, a, t, opts, ov)
-        out.append(Prediction(a, t, ov, T, method_of(a), runnable=ov))
+        used: set[tuple[int, int]] = set()
+        T = predict_one(net, comp, nbytes, a, t, opts, ov, used)
+        conn = connected(n, used) if method_of(a) in ("max-plus", "simulator") else True
+        out.append(Prediction(a, t, ov, float(T), method_of(a), runnable=ov, connected=bool(conn)))
     base = next(p.iter_time_s for p in out if p.algorithm == DDP and p.topology == "ring" and p.overlap)
-    out = [replace(p, speedup=base / p.iter_time_s if p.iter_time_s > 0 else math.inf) for p in out]
+    out = [replace(p, speedup=float(base / p.iter_time_s) if p.iter_time_s > 0 else math.inf) for p in out]
     out.sort(key=lambda p: (p.iter_time_s, not p.runnable, p.algorithm, p.topology))
     return out
 
 
 def recommend(preds: list[Prediction], peerd_only: bool = False) -> tuple[Prediction, Prediction | None]:
-    """(best, runner-up) among runnable rows; `peerd_only` leaves DDP out (what `peerd train` runs)."""
-    ok = [p for p in preds if p.runnable and (not peerd_only or p.algorithm != DDP)]
+    """(best, runner-up) among runnable rows whose mixes connect the hosts; `peerd_only` leaves DDP
+    out (what `peerd train` runs)."""
+    ok = [p for p in preds if p.runnable and p.connected and (not peerd_only or p.algorithm != DDP)]
     if not ok:
         raise ValueError("plan: no runnable contender")
     best = min(ok, key=lambda p: p.iter_time_s)
