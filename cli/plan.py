@@ -122,7 +122,7 @@ def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_j
             source = f"live swarm ({net.n} hosts)"
         opts = model.Options.from_config(cfg, overhead)
         preds = model.plan(net, comp, float(model_bytes), opts)
-        best, second = model.recommend(preds)
+        best, second = model.recommend(preds, tie=cfg.plan_tie_fraction)
     except (ProfileError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     shown = [p for p in preds if p.runnable] if runnable else preds

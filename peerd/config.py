@@ -212,6 +212,8 @@ class Config:
     plan_change_fraction: float = _f(0.3, "`--algo auto` re-plans when a link's rate or latency or the step "
                                           "time moved by more than this fraction since the last plan")
     plan_interval: float = _f(10.0, "seconds between checks whether `--algo auto` should re-plan")
+    plan_tie_fraction: float = _f(0.02, "contenders predicted within this fraction of the fastest are tied; "
+                                        "ties go by a fixed preference so every host chooses the same")
 
     @property
     def data_path(self) -> Path:

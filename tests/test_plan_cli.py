@@ -135,6 +135,7 @@ def test_replanner_logs_a_change_only_when_inputs_moved_and_the_choice_differs(c
     assert best.algorithm != "ddp"
 
 
+@pytest.mark.slow
 def test_live_swarm(daemons):
     a = daemons("pa")
     b = daemons("pb", seeds=[a.address])
@@ -153,3 +154,40 @@ def test_live_swarm(daemons):
     # Without a run, step time and model size must be given.
     out = run_cli("plan", "--data-dir", str(a.data_dir), "--model-bytes", "1000000", check=False)
     assert out.returncode != 0 and "--step-time" in out.stderr
+
+
+@pytest.mark.slow
+def test_train_algo_auto_chooses_logs_and_reports_step_times(daemons):
+    """Two daemons, `peerd train --algo auto`: both choose the same (ties go by preference), say so
+    with the runner-up, train to the end; the daemon then reports the trainer's step times, which
+    `peerd plan` reads without --step-time and --model-bytes."""
+    import subprocess
+
+    from peerd.node.localswarm import peerd_cmd
+    from tests.daemons import peer_states
+
+    a = daemons("ta")
+    b = daemons("tb", seeds=[a.address])
+    wait_for(lambda: peer_states(a).get(b.node_id) == "alive" and peer_states(b).get(a.node_id) == "alive",
+             20, "two alive daemons")
+    procs = [subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", "--task", "digits",
+                                        "--world", "2", "--iterations", "40", "--algo", "auto",
+                                        "--step-time", "0.01", "--eval-every", "0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for d in (a, b)]
+    chosen = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        recs = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        assert p.returncode == 0, (err, recs[-3:])
+        note = next(r["message"] for r in recs if r["message"].startswith("auto: chose"))
+        assert "runner-up" in note
+        chosen.append(note.split(";")[0])
+    assert chosen[0] == chosen[1]
+    assert "chose d-psgd on ring" in chosen[0]      # a uniform loopback pair: everything ties
+    st = json.loads(json.loads(run_cli("status", "--json", "--data-dir", str(a.data_dir)).stdout)["training_json"])
+    assert st["algorithm"] == "d-psgd" and st["step_time"]["samples"] > 10
+    assert 0 < st["step_time"]["compute_mean_s"] <= st["step_time"]["step_mean_s"]
+    res = json.loads(run_cli("plan", "--data-dir", str(a.data_dir), "--json").stdout)
+    assert res["model_bytes"] == st["model_bytes"] > 0 and res["hosts"] == 2
+    assert any("measured by this host's trainer" in n for n in res["notes"])

@@ -83,7 +83,7 @@ def gather(daemon: "Daemon", nodes: list[str], model_bytes: float, step_mean: fl
 def decide(inp: Inputs, cfg: Config) -> tuple[model.Prediction, model.Prediction | None]:
     """(best, runner-up) among what `peerd train` runs; pure and slow-ish (run it off the loop)."""
     preds = model.plan(inp.net, inp.comp, inp.model_bytes, model.Options.from_config(cfg), overlap_off=False)
-    return model.recommend(preds, peerd_only=True)
+    return model.recommend(preds, peerd_only=True, tie=cfg.plan_tie_fraction)
 
 
 def describe(p: model.Prediction | None) -> str:

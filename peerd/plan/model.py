@@ -609,12 +609,25 @@ def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None
     return out
 
 
-def recommend(preds: list[Prediction], peerd_only: bool = False) -> tuple[Prediction, Prediction | None]:
+PREFERENCE = [DDP, *registry.ALGORITHMS]              # ties go to the simpler, exact averaging first
+TOPO_PREFERENCE = ["ring", "hierarchical", "exp", "exp-directed", "aer", "complete"]
+
+
+def recommend(preds: list[Prediction], peerd_only: bool = False,
+              tie: float = 0.02) -> tuple[Prediction, Prediction | None]:
     """(best, runner-up) among runnable rows whose mixes connect the hosts; `peerd_only` leaves DDP
-    out (what `peerd train` runs)."""
+    out (what `peerd train` runs). Rows within `tie` (relative) of the fastest count as tied and go
+    by a fixed preference (DDP, then the registry's order; ring first), so hosts whose link
+    estimates differ a little still choose the same."""
     ok = [p for p in preds if p.runnable and p.connected and (not peerd_only or p.algorithm != DDP)]
     if not ok:
         raise ValueError("plan: no runnable contender")
-    best = min(ok, key=lambda p: p.iter_time_s)
-    rest = [p for p in ok if p is not best and (p.algorithm, p.topology) != (best.algorithm, best.topology)]
-    return best, (min(rest, key=lambda p: p.iter_time_s) if rest else None)
+
+    def pick(rows: list[Prediction]) -> Prediction:
+        fastest = min(p.iter_time_s for p in rows)
+        tied = [p for p in rows if p.iter_time_s <= fastest * (1 + tie)]
+        return min(tied, key=lambda p: (PREFERENCE.index(p.algorithm) if p.algorithm in PREFERENCE else 99,
+                                        TOPO_PREFERENCE.index(p.topology) if p.topology in TOPO_PREFERENCE else 99))
+    best = pick(ok)
+    rest = [p for p in ok if (p.algorithm, p.topology) != (best.algorithm, best.topology)]
+    return best, (pick(rest) if rest else None)
