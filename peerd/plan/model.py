@@ -605,8 +605,13 @@ def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None
         out.append(Prediction(a, t, ov, float(T), method_of(a), runnable=ov, connected=bool(conn)))
     base = next(p.iter_time_s for p in out if p.algorithm == DDP and p.topology == "ring" and p.overlap)
     out = [replace(p, speedup=float(base / p.iter_time_s) if p.iter_time_s > 0 else math.inf) for p in out]
-    out.sort(key=lambda p: (p.iter_time_s, not p.runnable, p.algorithm, p.topology))
+    out.sort(key=lambda p: (float(f"{p.iter_time_s:.6g}"), not p.runnable, _pref(p)))
     return out
+
+
+def _pref(p: Prediction) -> tuple[int, int]:
+    return (PREFERENCE.index(p.algorithm) if p.algorithm in PREFERENCE else 99,
+            TOPO_PREFERENCE.index(p.topology) if p.topology in TOPO_PREFERENCE else 99)
 
 
 PREFERENCE = [DDP, *registry.ALGORITHMS]              # ties go to the simpler, exact averaging first
@@ -626,8 +631,7 @@ def recommend(preds: list[Prediction], peerd_only: bool = False,
     def pick(rows: list[Prediction]) -> Prediction:
         fastest = min(p.iter_time_s for p in rows)
         tied = [p for p in rows if p.iter_time_s <= fastest * (1 + tie)]
-        return min(tied, key=lambda p: (PREFERENCE.index(p.algorithm) if p.algorithm in PREFERENCE else 99,
-                                        TOPO_PREFERENCE.index(p.topology) if p.topology in TOPO_PREFERENCE else 99))
+        return min(tied, key=_pref)
     best = pick(ok)
     rest = [p for p in ok if (p.algorithm, p.topology) != (best.algorithm, best.topology)]
     return best, (pick(rest) if rest else None)
