@@ -207,3 +207,19 @@ def test_bad_inputs_name_the_field():
         predict_one(Network.uniform(3, 1e6), Compute.of(2, 0.1), 1, "d-psgd", "ring", OPTS)
     with pytest.raises(ValueError, match="algorithm"):
         predict_one(Network.uniform(3, 1e6), Compute.of(3, 0.1), 1, "nope", "ring", OPTS)
+
+
+@pytest.mark.parametrize("algo,topo", [("d-psgd", "exp"), ("d-psgd", "aer"), ("sgp", "exp-directed"),
+                                       ("hop-backup", "ring"), ("hop-staleness", "complete"),
+                                       ("netmax", "complete"), ("ad-psgd", "ring")])
+def test_model_agrees_with_the_simulator_with_spread_and_a_straggler(algo, topo):
+    """Closed forms and the max-plus recursion against the simulator driving the real policy, on
+    random links, Gaussian compute and one host 2x slower (measured here: within 5 %)."""
+    rng = np.random.default_rng(1)
+    n = 8
+    net = Network(rng.uniform(2e6, 4e7, (n, n)), rng.uniform(1e-4, 5e-3, (n, n)))
+    comp = Compute.of(n, 0.1, 0.02, factors={3: 2.0})
+    o = Options(iterations=600, sim_iterations=300)
+    mp = predict_one(net, comp, 2e6, algo, topo, o)
+    sim = model.simulated_iteration(net, comp, 2e6, topology.make(topo, n), topo, algo, o)
+    assert rel(mp, sim) < 0.06, (mp, sim)
