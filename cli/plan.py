@@ -137,7 +137,8 @@ def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_j
                f"{f' (spread {comp.std.min():.3f})' if comp.std.any() else ''}; seconds per iteration:")
     click.echo(_table(shown, best, second))
     click.echo(f"\nrecommended: {best.algorithm} on {best.topology} ({best.iter_time_s:.3f} s/iteration, "
-               f"{best.speedup:.2f}x ring All-Reduce)")
+               f"{best.speedup:.2f}x ring All-Reduce; rows within {cfg.plan_tie_fraction:.0%} of the fastest "
+               f"are tied and go by a fixed preference)")
     if second:
         click.echo(f"runner-up:   {second.algorithm} on {second.topology} ({second.iter_time_s:.3f} s/iteration)")
     if any(not p.connected for p in shown):

@@ -79,7 +79,7 @@ says nothing about how many iterations each algorithm needs to reach a loss.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import numpy as np
@@ -92,7 +92,7 @@ from peerd.sync.topology import Topology
 # Algorithms whose steady state the max-plus recursion models, and those left to the simulator.
 SYNC = ("d-psgd", "hop", "hop-backup", "hop-staleness", "sgp")
 SIMULATED = ("hop-backup-skip", "hop-staleness-skip", "aau")
-ASYNC = ("netmax", "ad-psgd")
+ASYNC = ("netmax", "netmax-uniform", "netmax-inv", "netmax-invsqrt", "ad-psgd")
 TOPOLOGIES = ("ring", "exp", "aer", "complete")
 DDP = "ddp"
 
@@ -576,7 +576,9 @@ def method_of(algorithm: str) -> str:
         return "all-reduce"
     if algorithm in SIMULATED:
         return "simulator"
-    return "max-plus" if algorithm in SYNC else "closed-form"
+    if algorithm in ASYNC:
+        return "closed-form"
+    return "max-plus" if algorithm in SYNC else "unknown"
 
 
 def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None, *,
