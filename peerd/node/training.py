@@ -41,9 +41,9 @@ import grpc
 import torch
 
 from peerd.net import tensorwire as tw
-from peerd.node.autoplan import Replanner
 from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
 from peerd.net.links import Ewma
+from peerd.node.autoplan import Replanner
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
 from peerd.train.flat import Layout, LayoutMismatch, all_finite
@@ -701,7 +701,10 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         nodes = form_world(daemon, spec.world)
     inputs = None
     if spec.algorithm == "auto":
-        inputs, msg = await _auto(daemon, spec, nodes)
+        try:
+            inputs, msg = await _auto(daemon, spec, nodes)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: --algo auto: {e}")
         yield cpb.TrainProgress(state="waiting", world=spec.world, message=msg)
     try:
         run = TrainingRun(daemon, spec, nodes)
