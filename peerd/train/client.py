@@ -123,13 +123,14 @@ class DaemonExchange:
 
     def report(self, iteration: int, loss: float, samples: int = 0, step_time_s: float = 0.0,
                **extra: float) -> None:
-        """Metrics of the step that reached `iteration`: sent with the next Mix; evaluation results
-        (extra) and the last ones at close go at once."""
+        """Metrics of the step that reached `iteration`: they ride on the next Mix (no RPC of
+        their own); the last ones go at close, or at `flush()`. A newer report replaces one not
+        yet sent, evaluation results excepted (they are sent before being replaced)."""
         metric = cpb.Metric(session_id=self.session, iteration=iteration, loss=loss, samples=samples,
                             step_time_s=step_time_s, extra={k: float(v) for k, v in extra.items()})
-        self._metric = metric
-        if extra:
+        if self._metric is not None and set(self._metric.extra) - {"compute_s"}:
             self.flush()
+        self._metric = metric
 
     def flush(self) -> None:
         """Send a metric still waiting for a Mix."""
