@@ -55,7 +55,7 @@ def four_hosts(tmp_path_factory):
     try:
         for i in range(4):
             d = LocalDaemon(root / f"h{i}", secret, [ds[0].address] if ds else [], FAST).start()
-            d.wait_ready()
+            d.wait_ready(60)   # 4 daemons starting on a loaded CI host can take more than the default 20 s
             ds.append(d)
         ids = {d.node_id for d in ds}
         wait_for(lambda: all(d.peer_states() == {o: "alive" for o in ids - {d.node_id}} for d in ds), 20,
