@@ -311,8 +311,8 @@ def control(params: int, iterations: int, as_json: bool) -> None:
         try:
             for i in range(2):
                 d = LocalDaemon(root / f"h{i}", secret, [hosts[0].address] if hosts else []).start()
+                hosts.append(d)   # before wait_ready: one that never gets ready is stopped too
                 d.wait_ready()
-                hosts.append(d)
             if not wait_until(lambda: all(len(d.peer_states()) == 1 for d in hosts), 30):
                 raise click.ClickException("the two daemons did not find each other")
             script = Path(__file__).resolve().parent.parent / "peerd" / "train" / "benchcontrol.py"
