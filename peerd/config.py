@@ -133,6 +133,10 @@ class Config:
     train_max_restarts: int = _f(5, "times a crashed trainer is restarted from its checkpoint before the run fails")
     train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
     train_drain_timeout: float = _f(30.0, "seconds a finished run keeps serving peers that are still training")
+    train_join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
+                                        "parameters before trying the next")
+    train_join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
+                                  "joining host starts from a neighbour's parameters instead")
 
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "

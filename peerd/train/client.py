@@ -44,6 +44,8 @@ class DaemonExchange:
         self.node_id = ""
         self._slots: list[torch.Tensor] = []
         self._layout: Layout | None = None
+        self.initial: torch.Tensor | None = None
+        self.join_note = ""
 
     def attach(self, layout: Layout) -> int:
         req = cpb.AttachRequest(layout=[cpb.LayoutEntry(name=n, dtype=d, shape=s) for n, d, s in layout.specs()],
@@ -58,6 +60,9 @@ class DaemonExchange:
         self.session, self.rank, self.world, self.node_id = reply.session_id, reply.rank, reply.world, reply.node_id
         self._slots = [_map(p, layout.total_bytes) for p in reply.slot_paths]
         self._layout = layout
+        # Joining a running swarm: the neighbours' current parameters, to start from.
+        self.initial = self._slots[0].clone() if reply.start_from_slot else None
+        self.join_note = reply.join_note
         return reply.start_iteration
 
     def publish(self, iteration: int, buf: torch.Tensor) -> None:
