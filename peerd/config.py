@@ -133,10 +133,6 @@ class Config:
     train_max_restarts: int = _f(5, "times a crashed trainer is restarted from its checkpoint before the run fails")
     train_restart_delay: float = _f(1.0, "seconds before a crashed trainer is restarted")
     train_drain_timeout: float = _f(30.0, "seconds a finished run keeps serving peers that are still training")
-    train_join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
-                                        "parameters before trying the next")
-    train_join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
-                                  "joining host starts from a neighbour's parameters instead")
 
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "
@@ -178,6 +174,19 @@ class Config:
                                        "so hosts do not probe a shared bottleneck in lock-step")
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
                                                 "matrix; those between carry our own row and what changed")
+
+    # --- churn: leave, crash, join, partitions (issue 8; peerd/node/training.py, peerd/lab/churn.py)
+    train_join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
+                                        "parameters before trying the next")
+    train_join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
+                                  "joining host starts from a neighbour's parameters instead")
+    churn_stall_slack: float = _f(3.0, "seconds beyond dead_after that a live host may go without an iteration "
+                                       "while peers crash or leave (the stall bound is dead_after + this)")
+    churn_readmit_bound: float = _f(45.0, "seconds from a crashed host's daemon restart until it trains and mixes "
+                                          "in the run again (`peerd lab chaos` checks it)")
+    chaos_down_for: float = _f(3.0, "seconds `peerd lab chaos` keeps a killed host down (keep it above "
+                                    "dead_after, so neighbours see the host gone)")
+    chaos_accuracy_margin: float = _f(0.05, "accuracy a run under `peerd lab chaos` may lose against a calm run")
 
     @property
     def data_path(self) -> Path:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.daemons import wait_for
-from tests.test_training import start_train, swarm
+from tests.test_training import start_train
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,23 @@ def longest_stall(records: list[dict], t0: float, t1: float) -> float:
             worst = max(worst, t - last_t)
             last_t, last_k = t, r["iteration"]
     return max(worst, t1 - last_t)
+
+
+def states(d) -> dict[str, str]:
+    """Peer states, or {} while `peerd status` is slower than its bound (a loaded machine)."""
+    try:
+        return d.peer_states()
+    except subprocess.TimeoutExpired:
+        return {}
+
+
+def swarm(daemons, n: int, prefix: str):
+    ds = [daemons(f"{prefix}0")]
+    for i in range(1, n):
+        ds.append(daemons(f"{prefix}{i}", seeds=[ds[0].address]))
+    ids = {d.node_id for d in ds}
+    wait_for(lambda: all(states(d) == {o: "alive" for o in ids - {d.node_id}} for d in ds), 90, "a full swarm")
+    return ds
 
 
 def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(daemons):

@@ -21,6 +21,8 @@ Readings chosen here (the policy docstrings cover the algorithms):
   policy waits on a dead peer. A peer that comes back is PeerUp only once its run is back too (its
   first update or pull for this run reaches us, tagged with its iteration): a host whose daemon is
   up but whose trainer is still starting is not waited on.
+  Our newest update is pushed to a returning peer (outside the policy), so that two sides of a
+  healed partition, each holding the other dead, re-admit each other.
 - Joining a running swarm (a restarted host; same spec and world, hence same run tag): at attach,
   before the trainer's first publish, the daemon pulls a live neighbour's current parameters (the
   data plane: chunked, checksummed; answered from the neighbour's published snapshot, never behind
@@ -251,9 +253,13 @@ class TrainingRun:
             self.feed(ev.PeerDown(self.nodes.index(node_id)))
 
     def peer_up(self, node_id: str) -> None:
-        # Not yet: the peer's daemon is back, its run may not be (see the module docstring).
+        # Not yet: the peer's daemon is back, its run may not be (see the module docstring). Our
+        # newest update goes to it at once: after a healed partition each side holds the other
+        # dead and sends it nothing, so this greeting is what re-admits us there (and it there).
         if node_id in self.nodes and node_id != self.d.node_id:
             self.returning.add(node_id)
+            if self.live_k >= 0:
+                self._send(ev.Send(self.nodes.index(node_id), self.live_k))
 
     def _back_in_run(self, node_id: str, k: int) -> None:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
