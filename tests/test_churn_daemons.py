@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from tests.daemons import wait_for
+from peerd.config import Config
+
+from tests.daemons import SECRET, Daemon, wait_for
 from tests.test_training import start_train
 
 pytestmark = pytest.mark.slow
@@ -30,6 +32,9 @@ class Records:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 self.records.append(json.loads(line))
+
+    def last(self) -> dict:
+        return self.records[-1] if self.records else {}
 
     def iteration(self) -> int:
         return max((r.get("iteration", 0) for r in self.records), default=0)
@@ -61,18 +66,47 @@ def states(d) -> dict[str, str]:
         return {}
 
 
-def swarm(daemons, n: int, prefix: str):
-    ds = [daemons(f"{prefix}0")]
-    for i in range(1, n):
-        ds.append(daemons(f"{prefix}{i}", seeds=[ds[0].address]))
-    ids = {d.node_id for d in ds}
-    wait_for(lambda: all(states(d) == {o: "alive" for o in ids - {d.node_id}} for d in ds), 90, "a full swarm")
-    return ds
+def ready(d) -> None:
+    """Address and node id of a started daemon, tolerating a `peerd status` slower than its bound."""
+    def ok():
+        try:
+            st = d.status()
+        except subprocess.TimeoutExpired:
+            return None
+        if st:
+            d.address, d.node_id = st["address"], st["node_id"]
+        return st
+    assert d.running(), d.read_log()
+    wait_for(ok, 90, "the daemon to answer")
 
 
-def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(daemons):
-    ds = swarm(daemons, 4, "c")
-    args = ["--task", "digits", "--world", "4", "--iterations", "400", "--algo", "hop", "--eval-every", "100"]
+@pytest.fixture
+def swarm(tmp_path):
+    made = []
+
+    def make(n: int):
+        secret = tmp_path / "secret"
+        secret.write_text(SECRET + "\n")
+        secret.chmod(0o600)
+        for i in range(n):
+            d = Daemon(tmp_path / f"c{i}", secret, [made[0].address] if made else []).start()
+            made.append(d)
+            ready(d)
+        ids = {d.node_id for d in made}
+        wait_for(lambda: all(states(d) == {o: "alive" for o in ids - {d.node_id}} for d in made), 90,
+                 "a full swarm")
+        return made
+
+    yield make
+    for d in made:
+        d.stop()
+
+
+def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(swarm):
+    ds = swarm(4)
+    # Long enough to outlast a restart on a loaded machine (a daemon and a trainer start in ~20 s each).
+    args = ["--task", "digits", "--world", "4", "--iterations", "1000", "--algo", "hop", "--eval-every", "250",
+            "--slowdown", "2"]
     runs = [Records(start_train(d, *args)) for d in ds]
     victim = ds[3]
     wait_for(lambda: runs[0].iteration() >= 40, 120, "iteration 40")
@@ -83,16 +117,19 @@ def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(daemons):
     wait_for(lambda: min(r.iteration() for r in runs[:3]) >= k_kill + 15 and time.time() - t_kill > DEAD_AFTER + 2,
              60, "the others to go on")
     t_back = time.time()
-    for r in runs[:3]:
-        stall = longest_stall(r.records, t_kill, t_back)
-        # The failure-detection bound plus one progress interval and a loaded machine's slack.
-        assert stall < DEAD_AFTER + 3.0, (stall, r.records[-1])
+    stalls = [longest_stall(r.records, t_kill, t_back) for r in runs[:3]]
+    print(f"longest stall of each live host after the kill: {[round(s, 2) for s in stalls]} s "
+          f"(bound {DEAD_AFTER + Config().churn_stall_slack} s)")
+    for r, stall in zip(runs[:3], stalls):
+        timeline = [(round(x["wall_time"] - t_kill, 2), x["iteration"]) for x in r.records
+                    if t_kill - 1 <= x.get("wall_time", 0) <= t_back]
+        assert stall < DEAD_AFTER + Config().churn_stall_slack, (stall, timeline)
     k_before = min(r.iteration() for r in runs[:3])
     victim.start()
-    victim.wait_ready()
+    ready(victim)
     back = Records(start_train(victim, *args))
-    wait_for(lambda: any("started from" in r.get("message", "") for r in back.records), 60,
-             "the restarted host to start from a neighbour's parameters")
+    wait_for(lambda: any("started from" in r.get("message", "") for r in back.records), 120,
+             f"the restarted host to start from a neighbour's parameters (others: {[r.last() for r in runs[:3]]})")
     note = next(r["message"] for r in back.records if "started from" in r.get("message", ""))
     k_join = int(note.split("iteration ")[1].split(":")[0])
     assert k_join >= k_before, (note, k_before)
@@ -100,4 +137,4 @@ def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(daemons):
     for records in out:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8, records[-1]
     # The restarted host computed only the iterations after the join, and mixed with its neighbours.
-    assert back.records[-1]["iteration"] >= 395 and max(r["peers_in_last_mix"] for r in back.records) >= 1
+    assert back.records[-1]["iteration"] >= 995 and max(r["peers_in_last_mix"] for r in back.records) >= 1

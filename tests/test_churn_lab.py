@@ -30,7 +30,8 @@ def make_lab(tmp_path):
     def make(prof: profile.Profile) -> lab.Lab:
         d = tmp_path / f"lab{len(made)}"
         made.append(d)
-        lab.up(prof, d, Config(), daemon_args=FAST)
+        # A loaded machine starts a daemon slowly: a longer readiness bound than the default.
+        lab.up(prof, d, Config(lab_ready_timeout=90.0), daemon_args=FAST)
         return lab.Lab(d)
 
     yield make
@@ -101,3 +102,36 @@ def test_partition_and_heal_on_two_sites(make_lab):
     after = distance(lb, task)
     print(f"consensus distance after the run: {after:.3f}")
     assert after < apart / 2, (apart, after)
+
+
+KILLS = 20
+KILL_EVERY = 2.5
+
+
+def test_chaos_twenty_kill_restart_cycles_over_six_hosts(make_lab):
+    """The issue's done-when: 20 kill/restart cycles over 6 hosts during training (a kill every
+    2.5 s, each host down 2.5 s, at most 2 away at once). No live host stalls past the bound
+    (dead_after + churn_stall_slack), every restarted host is back (training past its join
+    iteration, mixing) within churn_readmit_bound, and every host ends within chaos_accuracy_margin
+    of the calm run's worst host."""
+    cfg = Config()
+    lb = make_lab(profile.load("lan", 6))
+    wait(lambda: all(alive_peers(lb, h) == 5 for h in lb.hosts), 90, "a full swarm")
+    args = ["--task", "digits", "--world", "6", "--algo", "hop", "--eval-every", "100", "--slowdown", "2"]
+    calm = churn.train_all(lb, [*args, "--iterations", "300", "--seed", "1"], timeout=300)
+    calm_acc = {h: r[-1]["metric"] for h, r in calm.items()}
+    assert all(r[-1]["state"] == "done" for r in calm.values()), {h: r[-1] for h, r in calm.items()}
+    report = churn.chaos(lb.dir, [*args, "--iterations", "300", "--seed", "0"], duration=240,
+                         kill_every=KILL_EVERY, down_for=KILL_EVERY, max_kills=KILLS, seed=0,
+                         cfg=Config(lab_ready_timeout=90.0))
+    rec = report.record()
+    bound = DEAD_AFTER + cfg.churn_stall_slack
+    print("chaos:", {k: rec[k] for k in ("longest_stall_s", "stall_per_host_s", "readmission_s_max",
+                                         "not_readmitted", "final_accuracy")}, "calm:", calm_acc)
+    print("kills:", rec["kills"])
+    assert len(report.kills) == KILLS
+    assert not rec["not_readmitted"] and rec["readmission_s_max"] <= cfg.churn_readmit_bound, rec["kills"]
+    assert rec["longest_stall_s"] < bound, rec["stall_per_host_s"]
+    floor = min(calm_acc.values()) - cfg.chaos_accuracy_margin
+    assert all(s == "done" for s in report.states.values()), report.states
+    assert all(a >= floor for a in report.accuracy.values()), (report.accuracy, calm_acc)

@@ -15,8 +15,8 @@ Design choices:
   the run's arguments: the run's world stays the same set of hosts, so the host rejoins the same
   run (same tag) and starts from a neighbour's parameters. Stalls are measured per live host from
   its own progress records (wall time between iteration advances); a host's stall while it is down
-  or rejoining does not count, its re-admission time does (restart -> first progress record that
-  shows it training past its join iteration).
+  or rejoining does not count, its re-admission time does (daemon restart -> first progress record
+  past its join iteration with a peer in its last mix).
 """
 from __future__ import annotations
 
@@ -209,18 +209,26 @@ def train_all(lb: lab_mod.Lab, args: list[str], timeout: float) -> dict[str, lis
 
 def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_every: float, down_for: float,
           cut_links: bool = False, cut_for: float = 3.0, seed: int = 0, timeout: float = 600.0,
-          cfg: Config | None = None, log=print) -> ChaosReport:
+          max_kills: int | None = None, max_down: int | None = None, cfg: Config | None = None,
+          log=print) -> ChaosReport:
     """Train on every host of the lab and, for `duration` seconds once all are training, kill a
-    random host every `kill_every` s and restart it (daemon, then `peerd train`) `down_for` s later;
-    with `cut_links`, every third cycle cuts the sites apart for `cut_for` s instead. Then wait for
-    the run to end and report (see ChaosReport)."""
+    random host every `kill_every` s; each killed host is restarted (daemon, then `peerd train`)
+    `down_for` s later, in the background. A host is killed again only once it is back in the run,
+    and at most `max_down` (default: a third of the hosts) are down or rejoining at once. With
+    `cut_links`, every third cycle cuts the sites apart for `cut_for` s instead. `max_kills` ends
+    the chaos after that many kills. Then wait for the re-admissions and the end of the run, and
+    report (see ChaosReport)."""
     cfg = cfg or Config()
     lb = lab_mod.Lab(lab_dir)
     rng = random.Random(seed)
+    max_down = max(1, len(lb.hosts) // 3) if max_down is None else max_down
     streams = {h: TrainStream(lb, h, train_args) for h in lb.hosts}
     retired: dict[str, list[TrainStream]] = {h: [] for h in lb.hosts}
     report = ChaosReport(duration)
     down: dict[str, list[tuple[float, float]]] = {h: [] for h in lb.hosts}
+    away: set[str] = set()                 # killed, not yet back in the run
+    state_lock = threading.Lock()          # the lab's state file: one writer at a time
+    errors: list[str] = []
     deadline = time.monotonic() + cfg.lab_ready_timeout + 120
     while not all(s.iteration() >= 1 for s in streams.values()):
         if time.monotonic() > deadline:
@@ -228,72 +236,98 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
                            + "; ".join(f"{h}: {s.last()}" for h, s in streams.items()))
         time.sleep(0.2)
     t_start = time.time()
+
+    def bring_back(host: str, entry: dict) -> None:
+        time.sleep(down_for)
+        try:
+            with state_lock:
+                restart_host(lab_dir, host, cfg)
+        except LabError as e:
+            errors.append(str(e))
+            return
+        entry["_t"] = time.time()
+        entry["restarted_at"] = round(entry["_t"] - t_start, 2)
+        retired[host].append(streams[host])
+        streams[host] = TrainStream(lb, host, train_args)
+
+    threads = []
     end = time.monotonic() + duration
     cycle = 0
     multi = len(lab_mod.read_state(lab_dir).get("uplinks") or {}) > 1
-    while time.monotonic() < end:
+    while time.monotonic() < end and (max_kills is None or len(report.kills) < max_kills) and not errors:
         cycle += 1
         t_cycle = time.monotonic()
+        _note_readmissions(report, streams, down, away)
         if cut_links and multi and cycle % 3 == 0:
             t0 = time.time()
-            cut(lab_dir, cfg=cfg)
+            with state_lock:
+                cut(lab_dir, cfg=cfg)
             time.sleep(cut_for)
-            heal(lab_dir, cfg=cfg)
+            with state_lock:
+                heal(lab_dir, cfg=cfg)
             report.cuts.append({"at": round(t0 - t_start, 2), "for_s": cut_for})
             log(f"chaos: cycle {cycle}: sites cut for {cut_for:g} s")
         else:
-            live = [h for h, s in streams.items() if s.proc.poll() is None]
-            if not live:
-                break
-            host = rng.choice(live)
+            ready = [h for h, st in streams.items() if h not in away and st.proc.poll() is None]
+            if not ready or len(away) >= max_down:
+                time.sleep(0.2)
+                cycle -= 1
+                continue
+            host = rng.choice(ready)
             t_kill = time.time()
             kill_host(lab_dir, host, cfg)
             streams[host].finish(5)
-            time.sleep(down_for)
-            restart_host(lab_dir, host, cfg)
-            t_restart = time.time()
-            retired[host].append(streams[host])
-            streams[host] = TrainStream(lb, host, train_args)
+            away.add(host)
             down[host].append((t_kill, float("inf")))
-            report.kills.append({"host": host, "killed_at": round(t_kill - t_start, 2),
-                                 "restarted_at": round(t_restart - t_start, 2), "_t": t_restart})
-            log(f"chaos: cycle {cycle}: killed {host}, restarted it {down_for:g} s later")
-        _note_readmissions(report, streams, down)
+            entry = {"host": host, "killed_at": round(t_kill - t_start, 2)}
+            report.kills.append(entry)
+            th = threading.Thread(target=bring_back, args=(host, entry), daemon=True)
+            th.start()
+            threads.append(th)
+            log(f"chaos: cycle {cycle}: killed {host} ({len(report.kills)} kills)")
         time.sleep(max(0.0, kill_every - (time.monotonic() - t_cycle)))
-    # Wait for re-admissions of the last kills, then for the end of the run.
-    t_wait = time.monotonic() + cfg.lab_ready_timeout + 60
-    while any("readmitted_s" not in k for k in report.kills) and time.monotonic() < t_wait:
-        _note_readmissions(report, streams, down)
+    for th in threads:
+        th.join(down_for + cfg.lab_ready_timeout + 10)
+    # Wait for the last re-admissions (bounded), then for the end of the run.
+    t_wait = time.monotonic() + cfg.churn_readmit_bound + 30
+    while away and time.monotonic() < t_wait:
+        _note_readmissions(report, streams, down, away)
         time.sleep(0.2)
     t_chaos_end = time.time()
-    for h, s in streams.items():
-        s.finish(timeout)
-        last = s.last()
+    for h, st in streams.items():
+        st.finish(timeout)
+        last = st.last()
         report.states[h] = last.get("state", "none")
         report.accuracy[h] = round(float(last.get("metric", 0.0)), 4)
     for k in report.kills:
         k.pop("_t", None)
         k.setdefault("readmitted_s", None)
     for h in lb.hosts:
-        recs = [r for s in [*retired[h], streams[h]] for r in s.records]
+        recs = [r for st in [*retired[h], streams[h]] for r in st.records]
         recs.sort(key=lambda r: r.get("wall_time", 0))
         report.stalls[h] = longest_stall(recs, t_start, t_chaos_end, down[h])
+    if errors:
+        raise LabError("chaos: " + "; ".join(errors))
     return report
 
 
 def _note_readmissions(report: ChaosReport, streams: dict[str, TrainStream],
-                       down: dict[str, list[tuple[float, float]]]) -> None:
-    """A restarted host is re-admitted when its new `peerd train` reports progress past the
-    iteration it joined at (it trains and mixes again); its down interval ends there."""
+                       down: dict[str, list[tuple[float, float]]], away: set[str]) -> None:
+    """A restarted host is re-admitted when its new `peerd train` reports an iteration past the one
+    it joined at with at least one peer in its last mix (it trains and mixes again); its down
+    interval ends there."""
     for k in report.kills:
-        if "readmitted_s" in k:
+        if "readmitted_s" in k or "_t" not in k:
             continue
-        s = streams[k["host"]]
-        recs = [r for r in s.records if r.get("state") == "training"]
-        if len(recs) >= 2 and recs[-1].get("iteration", 0) > recs[0].get("iteration", 0):
-            t = next(r["wall_time"] for r in recs if r["iteration"] > recs[0]["iteration"])
+        st = streams[k["host"]]
+        recs = [r for r in st.records if r.get("state") == "training" and r.get("iteration", 0) > 0]
+        joined = recs[0]["iteration"] if recs else None
+        back = next((r for r in recs if r["iteration"] > joined and r.get("peers_in_last_mix", 0) >= 1), None)
+        if back is not None:
+            t = back["wall_time"]
             k["readmitted_s"] = round(t - k["_t"], 2)
-            k["joined_at_iteration"] = recs[0].get("iteration", 0)
-            k["join_note"] = next((r.get("message", "") for r in s.records if "from" in r.get("message", "")), "")
+            k["joined_at_iteration"] = joined
+            k["join_note"] = next((r.get("message", "") for r in st.records if "from" in r.get("message", "")), "")
             a, _ = down[k["host"]][-1]
             down[k["host"]][-1] = (a, t)
+            away.discard(k["host"])
