@@ -180,7 +180,7 @@ class Config:
                                         "parameters before trying the next")
     train_join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
                                   "joining host starts from a neighbour's parameters instead")
-    churn_stall_slack: float = _f(3.0, "seconds beyond dead_after that a live host may go without an iteration "
+    churn_stall_slack: float = _f(4.0, "seconds beyond dead_after that a live host may go without an iteration "
                                        "while peers crash or leave (the stall bound is dead_after + this)")
     churn_readmit_bound: float = _f(45.0, "seconds from a crashed host's daemon restart until it trains and mixes "
                                           "in the run again (`peerd lab chaos` checks it)")

@@ -317,9 +317,11 @@ class TrainingRun:
         answer = next((a for a in actions if isinstance(a, ev.Send) and a.dst == src), None)
         self.apply_all([a for a in actions if a is not answer])
         if answer is None:
+            log.debug("pull from %s: the policy answers nothing (%s)", requester, actions)
             return None
         buf = self._buffer_for(answer.k, answer.live)
         if buf is None:
+            log.debug("pull from %s: iteration %d no longer held", requester, answer.k)
             return None
         return Snapshot(answer.k if answer.k >= 0 else self.live_k, Outgoing.from_buffer(buf, self.wire))
 
