@@ -88,12 +88,13 @@ def swarm(tmp_path):
         secret = tmp_path / "secret"
         secret.write_text(SECRET + "\n")
         secret.chmod(0o600)
-        for i in range(n):
-            d = Daemon(tmp_path / f"c{i}", secret, [made[0].address] if made else []).start()
-            made.append(d)
+        made.append(Daemon(tmp_path / "c0", secret).start())
+        ready(made[0])
+        made.extend(Daemon(tmp_path / f"c{i}", secret, [made[0].address]).start() for i in range(1, n))
+        for d in made[1:]:     # started together: a daemon takes ~20 s to start on a loaded box
             ready(d)
         ids = {d.node_id for d in made}
-        wait_for(lambda: all(states(d) == {o: "alive" for o in ids - {d.node_id}} for d in made), 90,
+        wait_for(lambda: all(states(d) == {o: "alive" for o in ids - {d.node_id}} for d in made), 180,
                  "a full swarm")
         return made
 

@@ -72,7 +72,8 @@ def test_partition_and_heal_on_two_sites(make_lab):
     cfg = Config()
     lb = make_lab(profile.load("two-sites"))
     wait(lambda: all(alive_peers(lb, h) == 3 for h in lb.hosts), 60, "a full swarm")
-    args = ["--task", "digits", "--world", "4", "--iterations", "500", "--algo", "hop", "--eval-every", "100"]
+    args = ["--task", "digits", "--world", "4", "--iterations", "800", "--algo", "hop", "--eval-every", "200",
+            "--slowdown", "2"]
     streams = {h: churn.TrainStream(lb, h, args) for h in lb.hosts}
     try:
         wait(lambda: all(s.iteration() >= 30 for s in streams.values()), 180, "iteration 30 everywhere")
