@@ -15,7 +15,7 @@ from peerd.config import Config
 from tests.daemons import SECRET, Daemon, wait_for
 from tests.test_training import start_train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEAD_AFTER = 2.0          # tests.daemons.FAST
 
@@ -77,7 +77,7 @@ def ready(d) -> None:
             d.address, d.node_id = st["address"], st["node_id"]
         return st
     assert d.running(), d.read_log()
-    wait_for(ok, 90, "the daemon to answer")
+    wait_for(ok, 240, "the daemon to answer")
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ Runs as root (CI does); skips only where network namespaces cannot be made.
 """
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -49,7 +50,10 @@ def wait(pred, timeout: float, what: str):
 
 
 def alive_peers(lb: lab.Lab, host: str) -> int:
-    peers = cli_json(lb, host, "peers") or []
+    try:
+        peers = cli_json(lb, host, "peers") or []
+    except subprocess.TimeoutExpired:   # `peerd peers` slower than its bound on a loaded machine
+        return -1
     return sum(p["state"] == "alive" for p in peers)
 
 
