@@ -16,7 +16,7 @@ from peerd.train.flat import flatten_module
 from peerd.train.tasks import consensus_distance, get_task
 from tests.test_daemon_lab import _WHY, cli_json
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(420),
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 # Fast failure detection: a cut or a crash is seen within DEAD_AFTER.
 DEAD_AFTER = 2.0
