@@ -90,7 +90,7 @@ def test_partition_and_heal_on_two_sites(make_lab):
             "--slowdown", "2"]
     streams = {h: churn.TrainStream(lb, h, args) for h in lb.hosts}
     try:
-        wait(lambda: all(s.iteration() >= 30 for s in streams.values()), 180, "iteration 30 everywhere")
+        wait(lambda: all(s.iteration() >= 30 for s in streams.values()), 400, "iteration 30 everywhere")
         t_cut = time.time()
         assert churn.cut(lb.dir) == ["a", "b"]
         k_cut = {h: s.iteration() for h, s in streams.items()}
