@@ -25,8 +25,6 @@ from typing import Any, Iterator
 
 import click
 
-from peerd.net import benchnode
-
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 REPLY_TIMEOUT = 900.0   # one command (1 GB over a shaped link included) must answer within this
 
@@ -58,6 +56,8 @@ class Peer:
     """A benchmark peer process and its JSON-lines conversation (every wait bounded)."""
 
     def __init__(self, node_id: str, host: str, netns: str | None = None, chunk_bytes: int | None = None):
+        from peerd.net import benchnode  # imports torch: not at CLI start (every `peerd status`)
+
         self.id = node_id
         self.proc = benchnode.spawn(node_id, host, netns, chunk_bytes)
         self.lines: queue.Queue[str | None] = queue.Queue()

@@ -26,8 +26,14 @@ def _line(p, iterations: int, width: int = 28) -> str:
                                               "repeat for its arguments")
 @click.option("--algo", "algorithm", default="hop", show_default=True,
               help="hop, hop-backup, hop-staleness, hop-backup-skip, hop-staleness-skip, d-psgd (dpsgd), "
-                   "ad-psgd (adpsgd), sgp, aau, netmax, ...")
-@click.option("--topology", default="ring", show_default=True, help="ring, torus, exp, aer, complete")
+                   "ad-psgd (adpsgd), sgp, aau, netmax, ...; auto: the daemon picks algorithm and topology "
+                   "with the runtime model (`peerd plan`) and logs the choice and the runner-up")
+@click.option("--step-time", "step_time", default=None,
+              help="--algo auto: seconds per gradient to plan with before the trainer measured any, "
+                   "MEAN[,STD] (default Config.plan_default_step_time)")
+@click.option("--model-bytes", type=int, default=None,
+              help="--algo auto: model size to plan with (default: the built-in task's parameter bytes)")
+@click.option("--topology", default="ring", show_default=True, help="ring, torus, exp, aer, complete (--algo auto picks its own)")
 @click.option("--world", type=int, required=True, help="hosts in the run, this one included")
 @click.option("--iterations", type=int, default=300, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="same on every host: same initial model")
@@ -45,7 +51,7 @@ def _line(p, iterations: int, width: int = 28) -> str:
               help="seconds to wait for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
 @data_dir_option
-def train(task, script, algorithm, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
+def train(task, script, algorithm, step_time, model_bytes, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
           lr, optimizer, slowdown, eval_every, join_timeout, as_json, data_dir) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
@@ -61,6 +67,15 @@ def train(task, script, algorithm, topology, world, iterations, seed, non_iid, b
                                           optimizer=optimizer).items() if v is not None}
     if skip is not None:
         options["skip"] = "true" if skip else "false"
+    if step_time:
+        mean, _, std = step_time.partition(",")
+        try:
+            options["step_time"], options["step_time_std"] = str(float(mean)), str(float(std or 0))
+        except ValueError:
+            raise click.BadParameter(f"expected MEAN[,STD] in seconds, got {step_time!r}",
+                                     param_hint="--step-time") from None
+    if model_bytes:
+        options["model_bytes"] = str(model_bytes)
     if slowdown is None:
         slowdown = float(os.environ.get("PEERD_SLOWDOWN", "1") or 1)
     req = cpb.TrainRequest(task=task, script=list(script), algorithm=algorithm, topology=topology, world=world,

@@ -175,6 +175,46 @@ class Config:
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
                                                 "matrix; those between carry our own row and what changed")
 
+    # --- container start: link profile and user (peerd container start, peerd/container.py) ----
+    shape_dev: str = _f("eth0", "interface whose egress a container's link profile shapes", scope="container")
+    shape_rate: str = _f("", "rate of everything this container sends, e.g. 50mbit (empty: no limit)",
+                         scope="container")
+    shape_to: tuple = _f((), "per-destination rates DEST=RATE, comma-separated; DEST a host name, an "
+                             "IPv4 address or a CIDR prefix (e.g. peer1=10mbit,172.28.0.0/16=1gbit)",
+                         scope="container")
+    shape_delay: str = _f("", "delay added to every packet this container sends, e.g. 20ms "
+                              "(needs the netem qdisc on the host kernel)", scope="container")
+    shape_strict: bool = _f(False, "a link profile that cannot be applied stops the container "
+                                   "instead of starting the daemon unshaped", scope="container")
+    shape_resolve_timeout: float = _f(30.0, "seconds a container waits for the names in shape_to to resolve",
+                                      scope="container")
+    shape_cmd_timeout: float = _f(20.0, "bound on the tc commands a container runs at start, seconds",
+                                  scope="container")
+    container_user: str = _f("peerd", "user a container started as root runs peerd as: a name, UID or UID:GID",
+                             scope="container")
+
+    # --- runtime model and `peerd plan` (peerd/plan) ---------------------------------------------
+    plan_overhead: float = _f(0.0, "seconds per iteration the runtime model adds to every contender "
+                                   "(optimizer step, bookkeeping)")
+    plan_iterations: int = _f(400, "iterations of the runtime model's max-plus sample path (steady state after 1/4)")
+    plan_sim_iterations: int = _f(150, "iterations per worker when the runtime model simulates a contender "
+                                       "(Hop with skipping, AAU)")
+    plan_backward_fraction: float = _f(0.67, "share of a step that is the backward pass, which DDP overlaps "
+                                             "its gradient all-reduce with")
+    plan_bucket_bytes: int = _f(25 << 20, "DDP gradient bucket, bytes: the last bucket's all-reduce is never hidden")
+    plan_unshaped_rate: float = _f(1.25e9, "bytes/s the runtime model assumes for a lab pair with no rate "
+                                           "(unshaped) or a link nobody measured yet")
+    plan_base_latency: float = _f(5e-5, "one-way seconds the runtime model adds to every lab pair (veth, bridge)")
+    plan_site_ratio: float = _f(0.25, "hosts whose measured bandwidth is at least this share of the fastest "
+                                      "link form one site (hierarchical All-Reduce on a live swarm)")
+    plan_default_step_time: float = _f(0.1, "seconds per step `--algo auto` plans with before the trainer "
+                                            "measured any")
+    plan_change_fraction: float = _f(0.3, "`--algo auto` re-plans when a link's rate or latency or the step "
+                                          "time moved by more than this fraction since the last plan")
+    plan_interval: float = _f(10.0, "seconds between checks whether `--algo auto` should re-plan")
+    plan_tie_fraction: float = _f(0.02, "contenders predicted within this fraction of the fastest are tied; "
+                                        "ties go by a fixed preference so every host chooses the same")
+
     # --- churn: leave, crash, join, partitions (issue 8; peerd/node/training.py, peerd/lab/churn.py)
     train_join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
                                         "parameters before trying the next")

@@ -13,6 +13,7 @@ pinned compose binary does not exist for.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -88,9 +89,15 @@ def compose(files, profiles=(), args=("config", "--format", "json"), env=None) -
 
 def resolved(files, profiles=(), env=None) -> dict:
     """The compose model after merging and interpolation, as `docker compose config` prints it."""
-    p = compose(files, profiles, env=env)
+    return json.loads(_resolved(tuple(files), tuple(profiles), tuple(sorted((env or {}).items()))))
+
+
+@functools.cache
+def _resolved(files: tuple, profiles: tuple, env: tuple) -> str:
+    # One compose run per distinct call (each takes about a second); callers get a fresh dict.
+    p = compose(files, profiles, env=dict(env))
     assert p.returncode == 0, f"docker compose {files} {profiles} config failed:\n{p.stderr}"
-    return json.loads(p.stdout)
+    return p.stdout
 
 
 # --- the Dockerfile ---------------------------------------------------------------------------

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from cli import container as container_cli
 from cli import daemon_cmds
 from peerd import config as config_mod
+from peerd import container as container_mod
 from peerd.config import FIELDS
+from peerd.lab import shaping
 from tests.docker_files import (COMBOS, DOCKERFILE, NON_CONFIG_ENV, ROOT, TOOL_TIMEOUT, compose,
                                 dockerfile_exec_form, dockerfile_instructions, hadolint_binary,
                                 long_flags, parse_peerd, resolved)
@@ -44,9 +47,23 @@ def load_config(command: list[str], env: dict[str, str]) -> config_mod.Config:
 
 
 def test_image_entrypoint_is_the_peerd_cli():
-    assert dockerfile_exec_form("ENTRYPOINT") == ["peerd"]
+    """`peerd container start -- CMD`: the shaping entry, which then runs `peerd CMD` (the command a
+    compose service gives) with `python -m cli.main`, the way the lab starts its daemons."""
+    entry = dockerfile_exec_form("ENTRYPOINT")
+    assert entry == ["peerd", "container", "start", "--"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["peerd"] == "cli.main:cli"  # the lab runs `python -m cli.main`: the same click group
+    command = dockerfile_exec_form("CMD")
+    cmd, params = parse_peerd(entry[1:] + command)
+    assert cmd is container_cli.start and list(params["args"]) == command and not params["dry_run"]
+    assert parse_peerd(command)[0] is daemon_cmds.up
+
+
+def test_image_installs_tc_and_keeps_a_non_root_default_user():
+    runs = " ".join(rest for word, rest in dockerfile_instructions() if word == "RUN")
+    assert "iproute2" in runs and "tc -V" in runs
+    users = [rest for word, rest in dockerfile_instructions() if word == "USER"]
+    assert users and users[-1] not in ("root", "0")
 
 
 def test_image_default_command_follows_the_contract():
@@ -99,6 +116,52 @@ def test_containers_run_peerd_up_with_the_lab_contract(combo):
             assert seed_cfg.listen.rsplit(":", 1)[1] == seed_port, f"{name}: seed {seed} has the wrong port"
         if cfg.advertise_address:
             assert cfg.advertise_address == f"{svc['hostname']}:{port}", f"{name}: advertises another name"
+
+
+# A link profile and straggler factor for every trial service, as the walkthrough sets them.
+LINK_ENV = {"PEER1_LINK_RATE": "50mbit", "PEER2_LINK_TO": "peer1=10mbit,peer3=20mbit", "PEER2_SLOWDOWN": "4",
+            "PEER3_LINK_RATE": "100mbit", "PEER3_LINK_TO": "172.28.0.0/16=1gbit", "PEER3_LINK_DELAY": "20ms",
+            "EXTRA_LINK_RATE": "5mbit", "PEERD_SHAPE_STRICT": "true"}
+
+
+def test_link_profiles_and_stragglers_reach_each_service():
+    services = resolved(*COMBOS[1], env=LINK_ENV)["services"]
+    names = {svc.get("hostname") or name for name, svc in services.items()} | set(services)
+    got = {}
+    for name, svc in services.items():
+        cfg = load_config(svc["command"], service_env(svc))
+        profile = container_mod.link_profile(cfg)
+        got[name] = (profile, container_mod.slowdown(service_env(svc)), cfg.shape_strict)
+        for dest, _ in profile.to:  # a destination is another service, or an address/prefix
+            assert dest in names - {name, svc.get("hostname")} or dest[0].isdigit(), f"{name}: {dest}"
+        if not profile.empty:
+            # What the entrypoint would run, with placeholder addresses for the service names.
+            dst = [shaping.DstClass(r, (f"10.0.0.{k}",)) for k, (_, r) in enumerate(profile.to, 2)]
+            assert container_mod.tc_lines(profile, dst, cfg)[0] == "qdisc add dev eth0 root handle 1: htb default 3"
+    assert got["peer1"][0] == container_mod.LinkProfile("eth0", 50 * 10**6, (), 0.0)
+    assert got["peer2"][0] == container_mod.LinkProfile("eth0", None, (("peer1", 10**7), ("peer3", 2 * 10**7)), 0.0)
+    assert got["peer3"][0] == container_mod.LinkProfile("eth0", 10**8, (("172.28.0.0/16", 10**9),), 0.02)
+    assert got["extra"][0].rate_bps == 5 * 10**6
+    assert [got[n][1] for n in ("peer1", "peer2", "peer3", "extra")] == [1, 4, 1, 1]
+    assert all(strict for _, _, strict in got.values())
+    unset = resolved(*COMBOS[1])["services"]
+    for name, svc in unset.items():  # nothing set: no shaping, not strict
+        cfg = load_config(svc["command"], service_env(svc))
+        assert container_mod.link_profile(cfg).empty and not cfg.shape_strict, name
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_shaping_services_start_as_root_with_net_admin(combo):
+    """The entrypoint needs root and NET_ADMIN for tc, and drops root itself. The host-network file
+    shapes nothing: tc there would shape the machine's own interface, and outlive the container."""
+    for name, svc in resolved(*combo, env={**LINK_ENV, **HOST_ENV})["services"].items():
+        env = service_env(svc)
+        shapes = any(k.startswith("PEERD_SHAPE_") for k in env)
+        if svc.get("network_mode") == "host":
+            assert not shapes and not svc.get("cap_add") and svc.get("user") in (None, "peerd"), name
+        else:
+            assert shapes and svc.get("cap_add") == ["NET_ADMIN"] and svc.get("user") == "root", name
+            assert "PEERD_CONTAINER_USER" not in env, f"{name}: peerd runs as the image's user peerd"
 
 
 def test_every_trial_peer_has_its_own_data_volume():

@@ -9,8 +9,12 @@ import re
 import click
 import pytest
 
-from tests.docker_files import (DOCKER, ROOT, compose, dockerfile_args, parse_peerd, resolved,
-                                shell_commands)
+from cli import container as container_cli
+from peerd import config as config_mod
+from peerd import container as container_mod
+from peerd.lab.profile import ProfileError
+from tests.docker_files import (DOCKER, ROOT, compose, dockerfile_args, dockerfile_exec_form, parse_peerd,
+                                resolved, shell_commands)
 
 HEADING = re.compile(r"^## Docker[ \t]*$", re.M)
 PROGRAMS = {"docker", "peerd", "openssl", "chmod"}
@@ -94,10 +98,20 @@ def check_docker_compose(env: dict[str, str], argv: list[str], line: str) -> Non
     for k, v in sub_opts:
         if k == "--scale":
             assert v.split("=")[0] in services, f"{line}: no service {v.split('=')[0]} to scale"
-    if sub in ("exec", "run"):
+    for name, svc in services.items():  # the link profile and straggler factor each peer gets
+        env = {k: v for k, v in (svc.get("environment") or {}).items() if v is not None}
+        container_mod.link_profile(config_mod.load(env=env))
+        container_mod.slowdown(env)
+    if sub == "exec":
         assert args and args[0] in services, f"{line}: no service {args[:1]}"
         assert args[1:2] == ["peerd"], f"{line}: runs something other than peerd"
         parse_peerd(args[2:])
+    elif sub == "run":  # the arguments go to the image's entrypoint, `peerd container start --`
+        assert args and args[0] in services, f"{line}: no service {args[:1]}"
+        cmd, params = parse_peerd(dockerfile_exec_form("ENTRYPOINT")[1:] + args[1:])
+        assert cmd is container_cli.start
+        inner = list(params["args"])
+        parse_peerd(inner[1:] if inner[:1] == ["peerd"] else inner)  # the entrypoint drops a leading `peerd`
     else:
         for s in args:
             assert s in services, f"{line}: no service {s}"
@@ -142,16 +156,26 @@ def test_walkthrough_documents_every_build_argument_and_says_how_it_is_checked()
     for arg in dockerfile_args():
         assert f"`{arg}`" in section, f"build argument {arg} is not documented"
     assert "validated statically in CI" in section
+    for must in ("cap_add: [NET_ADMIN]", "PEERD_SHAPE_STRICT", "shaping is OFF", "netem"):
+        assert must in section, f"the walkthrough does not say {must!r}"
+    for var in re.findall(r"\$\{((?:PEER\d|EXTRA)_LINK_\w+)", (DOCKER / "compose.yaml").read_text()):
+        assert f"`{var.replace(var.split('_')[0], 'PEER1')}`" in section, f"{var} is not documented"
 
 
 @pytest.mark.parametrize("bad", ["docker compose -f docker/compose.yaml up -d --scale nobody=2",
                                  "docker compose -f docker/compose.yaml exec peer1 peerd stats",
                                  "docker compose -f docker/compose.yaml up --detached",
-                                 "docker build -f docker/Dockerfile -t peerd:local --build-arg CUDA=1 ."])
+                                 "docker build -f docker/Dockerfile -t peerd:local --build-arg CUDA=1 .",
+                                 "PEER1_LINK_RATE=50mbt docker compose -f docker/compose.yaml up -d",
+                                 "PEER2_LINK_TO=peer1:10mbit docker compose -f docker/compose.yaml up -d",
+                                 "PEER2_SLOWDOWN=0.5 docker compose -f docker/compose.yaml up -d",
+                                 "PEER1_LINK_RATE=1mbit docker compose -f docker/compose.host.yaml up -d",
+                                 "docker compose -f docker/compose.yaml exec peer1 peerd container begin",
+                                 "docker compose -f docker/compose.yaml run peer1 stats"])
 def test_the_checker_rejects_wrong_commands(bad):
-    argv = bad.split()
-    with pytest.raises((AssertionError, click.UsageError)):
+    env, argv = split_env(bad.split())
+    with pytest.raises((AssertionError, click.UsageError, ProfileError)):
         if argv[1] == "build":
             check_docker_build(argv[2:], bad)
         else:
-            check_docker_compose({}, argv[2:], bad)
+            check_docker_compose(env, argv[2:], bad)

@@ -249,8 +249,7 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
                                f"link set {a} up", f"link set {b} up"], t)
 
     # Shaping.
-    q = dict(queue_ms=cfg.lab_queue_ms, queue_min_bytes=cfg.lab_queue_min_bytes,
-             control_share=cfg.lab_control_share)
+    q = shaping.settings(cfg)
     sw_tc: list[str] = []
     for h in profile.hosts:
         rates = {hosts[dst]["ip"]: r for (src, dst), r in profile.pair_rates.items() if src == h.name}

@@ -10,7 +10,12 @@ Layout on a shaped device (all rates in bit/s, tc prints them as "bit"):
     1:1xx one class per destination group (a host, or all hosts of a site), rate = ceil = its rate
 
 Leaf queues are bfifo sized to `queue_ms` of the class rate but never below `queue_min_bytes`:
-a leaf smaller than one GSO super-packet (64 KiB) drops every large skb and TCP stalls.
+a leaf smaller than one GSO super-packet (64 KiB) drops every large skb and TCP stalls. With a
+propagation delay (containers only, `peerd container start`), every leaf is a netem queue instead,
+holding `delay` plus `queue_ms` worth of packets at the class rate: netem delays each packet, htb
+above it still paces at the class rate. The lab has no netem here and uses a delay wire instead.
+
+A destination is an IPv4 address or a CIDR prefix (a whole compose network, say).
 
 htb was chosen over tbf even where one rate per device would do: only a classful qdisc can give
 control traffic its own queue. Rates are link rates; TCP goodput is about 95.6 % of them
@@ -29,7 +34,13 @@ GOODPUT_RATIO = 1448 / 1514  # TCP payload per frame htb counts (MSS 1448 with t
 class DstClass:
     """One shaped class: traffic to any of `dst_ips` shares `rate_bps`."""
     rate_bps: int
-    dst_ips: tuple[str, ...]
+    dst_ips: tuple[str, ...]    # addresses, or prefixes "a.b.c.d/n"
+
+
+def settings(cfg) -> dict[str, float]:
+    """The queue settings of htb_commands from a Config: the lab and containers shape alike."""
+    return dict(queue_ms=cfg.lab_queue_ms, queue_min_bytes=cfg.lab_queue_min_bytes,
+                control_share=cfg.lab_control_share)
 
 
 def _queue(rate_bps: int, queue_ms: float, min_bytes: int) -> int:
@@ -48,10 +59,19 @@ def _quantum(rate_bps: int) -> int:
     return min(200_000, max(1514, rate_bps // 8 // 1000))
 
 
+def _leaf(rate_bps: int, queue_ms: float, min_bytes: int, delay_s: float) -> str:
+    if not delay_s:
+        return f"bfifo limit {_queue(rate_bps, queue_ms, min_bytes)}"
+    # netem counts packets: room for the packets in flight on the delay line plus the queue.
+    frames = -(-int(rate_bps / 8 * (delay_s + queue_ms / 1000)) // 1514)
+    return f"netem delay {delay_s * 1000:g}ms limit {max(1000, frames)}"
+
+
 def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, queue_ms: float,
-                 queue_min_bytes: int, control_share: float) -> list[str]:
-    """`tc -batch` lines shaping `dev`'s egress. Empty when there is nothing to shape."""
-    if link_bps is None and not classes:
+                 queue_min_bytes: int, control_share: float, delay_s: float = 0.0) -> list[str]:
+    """`tc -batch` lines shaping `dev`'s egress. Empty when there is nothing to shape.
+    `delay_s` > 0 adds that delay to every packet `dev` sends (needs the netem qdisc)."""
+    if link_bps is None and not classes and not delay_s:
         return []
     parent = link_bps or UNLIMITED
     ctl_rate = max(64_000, int(parent * control_share))
@@ -65,10 +85,11 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
         f"{_burst(parent)} quantum {_quantum(parent)}",
         f"class add dev {dev} parent 1:1 classid 1:2 htb rate {ctl_rate}bit ceil {parent}bit prio 0 "
         f"{_burst(parent)} quantum {_quantum(ctl_rate)}",
-        f"qdisc add dev {dev} parent 1:2 handle 2: pfifo limit 1000",
+        f"qdisc add dev {dev} parent 1:2 handle 2: "
+        + (_leaf(ctl_rate, queue_ms, queue_min_bytes, delay_s) if delay_s else "pfifo limit 1000"),
         f"class add dev {dev} parent 1:1 classid 1:3 htb rate {share or parent}bit ceil {parent}bit prio 1 "
         f"{_burst(parent)} quantum {_quantum(parent)}",
-        f"qdisc add dev {dev} parent 1:3 handle 3: bfifo limit {_queue(parent, queue_ms, queue_min_bytes)}",
+        f"qdisc add dev {dev} parent 1:3 handle 3: {_leaf(parent, queue_ms, queue_min_bytes, delay_s)}",
         f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match u16 0x0000 0x{0x10000 - SMALL_PACKET:04x} "
         f"at 2 flowid 1:2",
     ]
@@ -79,11 +100,11 @@ def htb_commands(dev: str, link_bps: int | None, classes: list[DstClass], *, que
         lines += [
             f"class add dev {dev} parent 1:1 classid 1:{minor:x} htb rate {rate}bit ceil {ceil}bit prio 1 "
             f"{_burst(ceil)} quantum {_quantum(ceil)}",
-            f"qdisc add dev {dev} parent 1:{minor:x} handle {minor:x}: bfifo limit "
-            f"{_queue(ceil, queue_ms, queue_min_bytes)}",
+            f"qdisc add dev {dev} parent 1:{minor:x} handle {minor:x}: "
+            f"{_leaf(ceil, queue_ms, queue_min_bytes, delay_s)}",
         ]
-        lines += [f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip dst {ip}/32 "
-                  f"flowid 1:{minor:x}" for ip in c.dst_ips]
+        lines += [f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip dst "
+                  f"{ip if '/' in ip else ip + '/32'} flowid 1:{minor:x}" for ip in c.dst_ips]
     return lines
 
 

@@ -53,6 +53,8 @@ import torch
 
 from peerd.net import tensorwire as tw
 from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
+from peerd.net.links import Ewma
+from peerd.node.autoplan import Replanner
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
 from peerd.train.flat import Layout, LayoutMismatch, all_finite
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("peerd.train")
 
 ALGORITHM_ALIASES = {"dpsgd": "d-psgd", "adpsgd": "ad-psgd"}
+STEP_EWMA = 0.1   # weight of one step in the step-time averages
 
 
 class RunError(RuntimeError):
@@ -117,7 +120,7 @@ class RunSpec:
     @classmethod
     def from_request(cls, r: cpb.TrainRequest, default_join: float) -> "RunSpec":
         algo = ALGORITHM_ALIASES.get(r.algorithm, r.algorithm or "hop")
-        if algo not in registry.ALGORITHMS:
+        if algo != "auto" and algo not in registry.ALGORITHMS:
             raise RunError(f"algorithm: unknown {r.algorithm!r}; known: {', '.join(registry.ALGORITHMS)}")
         if not r.task and not r.script:
             raise RunError("task: name a built-in task (digits, svm, lm) or a script")
@@ -142,6 +145,8 @@ class Progress:
     restarts: int = 0
     skipped: int = 0
     started: float = field(default_factory=time.monotonic)
+    compute_s: Ewma = field(default_factory=Ewma)   # the trainer's gradient time (`peerd plan` reads it)
+    step_s: Ewma = field(default_factory=Ewma)      # a whole step, the wait for the mix included
 
 
 class TrainingRun:
@@ -194,6 +199,7 @@ class TrainingRun:
         self.checkpoint_dir = self._checkpoint_dir()
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
         self.join_note = ""
+        self.replanner: Replanner | None = None     # set for `--algo auto`
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -628,6 +634,10 @@ class TrainingRun:
     def on_metric(self, m: cpb.Metric) -> None:
         p = self.progress
         p.loss = m.loss
+        if m.extra.get("compute_s", 0) > 0:
+            p.compute_s.add(m.extra["compute_s"], STEP_EWMA)
+        if m.step_time_s > 0:
+            p.step_s.add(m.step_time_s, STEP_EWMA)
         if "accuracy" in m.extra:
             p.metric_name, p.metric = "accuracy", m.extra["accuracy"]
         elif "eval_loss" in m.extra:
@@ -739,7 +749,14 @@ class TrainingRun:
                                  trainer_restarts=p.restarts, skipped=p.skipped, wall_time=time.time())
 
     def state(self) -> dict[str, Any]:
+        p = self.progress
         return {"rank": self.rank, "world": self.n, "algorithm": self.spec.algorithm,
+                "topology": self.spec.topology, "nodes": self.nodes,
+                "model_bytes": self.layout.total_bytes if self.layout is not None else 0,
+                "step_time": {"compute_mean_s": p.compute_s.mean, "compute_std_s": p.compute_s.spread,
+                              "step_mean_s": p.step_s.mean, "step_std_s": p.step_s.spread,
+                              "samples": p.compute_s.n},
+                "recommended": list(self.replanner.recommended) if self.replanner else None,
                 "policy": self.policy.state(), "held_updates": len(self.received),
                 "dropped_nonfinite": self.dropped_nonfinite}
 
@@ -789,10 +806,20 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
                                 message=f"{len(daemon.membership.alive()) + 1} of {spec.world} hosts present")
         await asyncio.sleep(0.5)
         nodes = form_world(daemon, spec.world)
+    inputs = None
+    if spec.algorithm == "auto":
+        try:
+            inputs, msg = await _auto(daemon, spec, nodes)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: --algo auto: {e}")
+        yield cpb.TrainProgress(state="waiting", world=spec.world, message=msg)
     try:
         run = TrainingRun(daemon, spec, nodes)
     except (ValueError, RunError) as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
+    if inputs is not None:
+        run.replanner = Replanner(daemon.cfg, (spec.algorithm, spec.topology), inputs)
+        run.replanner.last_check = time.monotonic()
     daemon.start_run(run)
     log.info("run %s: rank %d of %d, %s on %s, world %s", daemon.cfg.run_id, run.rank, run.n, spec.algorithm,
              spec.topology, ", ".join(nodes))
@@ -806,6 +833,13 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
             except asyncio.TimeoutError:
                 pass
             run.changed.clear()
+            if run.replanner is not None and run.replanner.due(time.monotonic()):
+                note = await _replan(daemon, run)
+                if note:
+                    msg = run.progress_message()
+                    msg.message = note
+                    yield msg
+                    continue
             yield run.progress_message()
         yield run.progress_message()
     finally:
@@ -825,3 +859,39 @@ async def _drain(daemon: "Daemon", run: TrainingRun) -> None:
     if daemon.training is run:
         await run.stop()
         daemon.end_run(run)
+
+
+async def _auto(daemon: "Daemon", spec: RunSpec, nodes: list[str]):
+    """Resolve `--algo auto` into an algorithm and topology (see peerd.node.autoplan)."""
+    from peerd.node import autoplan
+
+    mean = float(spec.options.get("step_time", 0) or daemon.cfg.plan_default_step_time)
+    std = float(spec.options.get("step_time_std", 0) or 0)
+    nbytes = autoplan.model_bytes_of(spec.task, spec.options)
+    inputs = autoplan.gather(daemon, nodes, nbytes, mean, std)
+    best, second = await asyncio.to_thread(autoplan.decide, inputs, daemon.cfg)
+    spec.algorithm, spec.topology = best.algorithm, best.topology
+    for w in inputs.warnings:
+        log.warning("auto plan: %s", w)
+    msg = (f"auto: chose {autoplan.describe(best)}; runner-up {autoplan.describe(second)} "
+           f"(model {nbytes / 1e6:.2f} MB, step {mean:.3f} s)")
+    log.info("%s", msg)
+    return inputs, msg
+
+
+async def _replan(daemon: "Daemon", run: TrainingRun) -> str | None:
+    """A progress tick is the safe point: re-plan from current links and the measured step time."""
+    from peerd.node import autoplan
+
+    rp = run.replanner
+    p = run.progress
+    last = rp.last
+    mean = p.compute_s.mean if p.compute_s.n >= 5 else float(last.comp.mean[0])
+    std = p.compute_s.spread if p.compute_s.n >= 5 else float(last.comp.std[0])
+    nbytes = float(run.layout.total_bytes) if run.layout is not None else last.model_bytes
+    current = autoplan.gather(daemon, run.nodes, nbytes, mean, std)
+    try:
+        return await asyncio.to_thread(rp.check, time.monotonic(), current)
+    except ValueError as e:
+        log.warning("re-plan failed: %s", e)
+        return None

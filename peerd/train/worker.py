@@ -108,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         compute = time.perf_counter() - t0
         if slowdown > 1:
             time.sleep((slowdown - 1) * compute)
+        compute_s = time.perf_counter() - t0    # the gradient alone (what `peerd plan` models)
         opt.step()
-        extra = {}
+        extra = {"compute_s": compute_s}
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
             last_eval = opt.iteration
-            extra = {("accuracy" if k == "accuracy" else f"eval_{k}"): v for k, v in task.evaluate(model).items()}
+            extra.update({("accuracy" if k == "accuracy" else f"eval_{k}"): v for k, v in task.evaluate(model).items()})
         exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
         if args.checkpoint_every and opt.iteration % args.checkpoint_every == 0 or opt.iteration >= end:
             save_checkpoint(ckpt_dir, opt.iteration, model, opt)

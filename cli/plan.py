@@ -1,0 +1,176 @@
+"""`peerd plan`: predicted iteration time of every algorithm and topology, and the recommendation.
+
+    peerd plan --profile two-sites --model-bytes 100000000 --step-time 0.2[,0.02]   # a lab profile
+    peerd plan [--data-dir D] [--model-bytes N] [--step-time S]   # the running swarm of this daemon
+    peerd plan check RESULTS.jsonl                                 # the model against measurements
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from cli.daemon_cmds import data_dir_option, timeout_option
+
+
+def _step(value: str | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    mean, _, std = value.partition(",")
+    try:
+        m, s = float(mean), float(std or 0)
+    except ValueError:
+        raise click.BadParameter(f"expected MEAN[,STD] in seconds, got {value!r}", param_hint="--step-time") from None
+    if m < 0 or s < 0:
+        raise click.BadParameter(f"step times must be >= 0, got {value!r}", param_hint="--step-time")
+    return m, s
+
+
+def _live(data_dir: str | None, timeout: float, cfg, step: tuple[float, float] | None,
+          model_bytes: int | None):
+    """(network, compute, model bytes, notes) from the local daemon's Links and Status replies."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from cli.daemon_cmds import control_stub
+    from peerd.plan import model, sources
+    from peerd.v1 import control_pb2 as cpb
+
+    channel, stub = control_stub(data_dir)
+    try:
+        links = MessageToDict(stub.Links(cpb.LinksRequest(), timeout=timeout), preserving_proto_field_name=True)
+        status = stub.Status(cpb.StatusRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        raise click.ClickException(f"daemon did not answer: {e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    notes = []
+    training = json.loads(status.training_json) if status.training_json else {}
+    nodes = training.get("nodes") or None
+    if nodes is None:
+        alive = [p.node_id for p in status.peers if p.state == "alive"]
+        nodes = sorted([status.node_id, *alive])
+    net, warnings = sources.network_from_links(links, nodes, cfg)
+    notes += warnings
+    st = training.get("step_time") or {}
+    if step is None:
+        if st.get("samples", 0) >= 1:
+            step = (float(st["compute_mean_s"]), float(st["compute_std_s"]))
+            notes.append(f"step time {step[0]:.4f} s (spread {step[1]:.4f}) measured by this host's trainer, "
+                         f"assumed for every host (daemons do not share step times yet)")
+        else:
+            raise click.ClickException("no step time: no trainer has reported one on this daemon; pass "
+                                       "--step-time SECONDS[,STD]")
+    if model_bytes is None:
+        if training.get("model_bytes"):
+            model_bytes = int(training["model_bytes"])
+        else:
+            raise click.ClickException("no model size: no run is active on this daemon; pass --model-bytes N")
+    return net, model.Compute.of(net.n, *step), model_bytes, notes
+
+
+def _table(preds, best, second) -> str:
+    head = f"{'rank':>4s}  {'algorithm':20s} {'topology':13s} {'overlap':7s} {'iter_s':>10s} {'speedup':>8s}  method"
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(preds, 1):
+        mark = "  <- recommended" if p is best else ("  <- runner-up" if p is second else "")
+        lines.append(f"{i:4d}  {p.algorithm:20s} {p.topology:13s} {'on' if p.overlap else 'off':7s} "
+                     f"{p.iter_time_s:10.4f} {p.speedup:7.2f}x  {p.method}{'' if p.connected else ', splits'}{mark}")
+    return "\n".join(lines)
+
+
+@click.group("plan", invoke_without_command=True)
+@click.option("--profile", "prof", default=None, help="lab profile file or shipped name (two-sites, lan, star, "
+                                                      "straggler); without it: the running swarm of this daemon")
+@click.option("--hosts", type=int, default=None, help="with --profile: host count (default: the profile's)")
+@click.option("--model-bytes", type=int, default=None, help="model size in bytes (live: the active run's)")
+@click.option("--step-time", "step_time", default=None,
+              help="seconds per gradient on an unslowed host, MEAN[,STD] (live: this host's trainer's)")
+@click.option("--overhead", type=float, default=None, help="seconds per iteration added to every contender "
+                                                           "(default Config.plan_overhead)")
+@click.option("--top", type=int, default=0, help="print only the N fastest rows (0: all)")
+@click.option("--runnable", is_flag=True, help="only rows peerd or DDP run as given (overlap on)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: predictions, recommendation, notes")
+@data_dir_option
+@timeout_option
+@click.pass_context
+def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_json, data_dir, timeout) -> None:
+    """Predict the per-iteration time of ring and hierarchical All-Reduce and of every decentralized
+    algorithm and topology peerd offers, with and without overlap, from a lab profile or the live
+    link matrix and step times; print them ranked with the speedup over ring All-Reduce and the
+    recommendation (the fastest that runs as listed). The formulas are in peerd/plan/model.py."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from peerd.config import Config
+    from peerd.lab.profile import ProfileError, load
+    from peerd.plan import model, sources
+
+    cfg = Config()
+    step = _step(step_time)
+    notes: list[str] = []
+    try:
+        if prof:
+            if model_bytes is None or step is None:
+                raise click.UsageError("--profile needs --model-bytes and --step-time")
+            p = load(prof, hosts)
+            net = sources.network_from_profile(p, cfg)
+            comp = sources.compute_from_profile(p, *step)
+            source = f"profile {p.name} ({len(p.hosts)} hosts)"
+        else:
+            net, comp, model_bytes, notes = _live(data_dir, timeout, cfg, step, model_bytes)
+            source = f"live swarm ({net.n} hosts)"
+        opts = model.Options.from_config(cfg, overhead)
+        preds = model.plan(net, comp, float(model_bytes), opts)
+        best, second = model.recommend(preds, tie=cfg.plan_tie_fraction)
+    except (ProfileError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    shown = [p for p in preds if p.runnable] if runnable else preds
+    shown = shown[:top] if top > 0 else shown
+    if as_json:
+        click.echo(json.dumps({"source": source, "model_bytes": model_bytes, "step_time_mean": float(comp.mean.min()),
+                               "hosts": net.n, "predictions": [p.record() for p in shown],
+                               "recommended": best.record(), "runner_up": second.record() if second else None,
+                               "notes": notes}, indent=2))
+        return
+    click.echo(f"{source}, model {model_bytes / 1e6:.1f} MB, step {comp.mean.min():.3f} s"
+               f"{f' (spread {comp.std.min():.3f})' if comp.std.any() else ''}; seconds per iteration:")
+    click.echo(_table(shown, best, second))
+    click.echo(f"\nrecommended: {best.algorithm} on {best.topology} ({best.iter_time_s:.3f} s/iteration, "
+               f"{best.speedup:.2f}x ring All-Reduce; rows within {cfg.plan_tie_fraction:.0%} of the fastest "
+               f"are tied and go by a fixed preference)")
+    if second:
+        click.echo(f"runner-up:   {second.algorithm} on {second.topology} ({second.iter_time_s:.3f} s/iteration)")
+    if any(not p.connected for p in shown):
+        click.echo("splits: the updates it mixes in steady state do not connect the hosts (never recommended)")
+    click.echo("per-iteration time only: the iterations each algorithm needs to reach a loss differ")
+    for n in notes:
+        click.echo(f"note: {n}")
+    sys.stdout.flush()
+
+
+@plan.command("check")
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per scenario")
+def check_cmd(results: str, as_json: bool) -> None:
+    """Compare predicted with measured per-iteration times (JSON lines: scenario, contender, profile,
+    model_bytes, step_time_mean, step_time_std, iter_time_s, hosts; optional topology). Flags errors
+    above 25 % and says whether the recommended contender was the measured fastest or within 10 %.
+    Exits 1 when any prediction is flagged or any recommendation missed."""
+    from peerd.config import Config
+    from peerd.lab.profile import ProfileError, load
+    from peerd.plan import check
+
+    try:
+        with open(results) as fh:
+            records = check.parse_lines(fh, results)
+        scens = check.check(records, lambda name, n: load(name, n), Config())
+    except (check.CheckError, ProfileError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        for s in scens:
+            click.echo(json.dumps(s.record()))
+    else:
+        click.echo(check.render(scens))
+    ok = all(not r.flagged for s in scens for r in s.rows) and all(s.recommendation_ok for s in scens)
+    sys.exit(0 if ok else 1)

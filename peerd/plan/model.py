@@ -1,0 +1,639 @@
+"""Runtime model: predicted seconds per iteration of every algorithm and topology peerd offers.
+
+Pure: no I/O, no clock. Inputs are a `Network` (per ordered pair bandwidth in bytes/s and one-way
+latency in s, plus capacities several pairs share: a host's access link, a site-to-site link), a
+`Compute` (per host mean and spread of the gradient time, straggler factors already applied), the
+model size M in bytes and a per-iteration overhead O (optimizer step, bookkeeping). Output: one
+`Prediction` per (algorithm, topology, overlap).
+
+Definitions
+- Iteration time: wall time of a run of K iterations per worker divided by K, in steady state (the
+  run ends when its slowest worker is done; skipped iterations count as iterations, as the trainer's
+  counter does). This is what `peerd bench` measures as iter_time_s.
+- C_i: host i's gradient time, Normal(mean_i, std_i) truncated at 0, drawn per iteration.
+- X_{j->i}: time a model takes on link j->i = lat_ji + M / r_ji, r_ji the pair's rate under sharing:
+      r_ji = min(bw_ji, min over shared capacities g carrying (j,i) of cap_g / flows_g)
+  where flows_g counts the transfers the algorithm has in flight on g at once (expected counts for
+  randomised peer choice). Equal share, not max-min fairness: ours, simple and conservative.
+
+All-Reduce (the paper's baseline, "From promise to practice" [P4] §4.2 / App. A.5, reconstructed
+in research/papers.md 4.2; the ring cost is the textbook one, papers.md 5.4):
+- ring over the hosts in rank order (what DDP/gloo does), 2(n-1) steps of M/n bytes each:
+      T_ring = 2(n-1) * max_e (lat_e + (M/n) / r_e)          -> 2(n-1)/n * M/B on a uniform network
+- hierarchical (sites of k hosts, S sites): reduce-scatter inside each site, k concurrent all-reduce
+  rings across the sites on M/k bytes each, all-gather inside each site [P4 §4.2 hierarchical ring]:
+      T_hier = 2(k-1) * max_intra (lat + (M/k)/r) + 2(S-1) * max_inter (lat + (M/(kS))/r)
+- iteration, a global barrier every step: T = E[max_i C_i] + exposed + O, where
+      no overlap: exposed = T_comm
+      overlap   : exposed = max(T_comm - f_bw * E[max_i C_i], T_comm / buckets)   [P4 factor 1: DDP
+                  overlaps only with the backward pass (share f_bw of compute); the last bucket is
+                  always exposed; buckets = ceil(M / bucket_bytes)]
+  E[max_i C_i] = integral of (1 - prod_i Phi((t - mean_i)/std_i)) dt over t >= 0 (numeric; ours; for
+  iid Gaussians it is ~ mean + std*sqrt(2 ln n), the form [P4] quotes).
+
+Synchronous decentralized (D-PSGD on ring / torus / one-peer exp / AER / complete, SGP on the
+directed one-peer exponential graph, Hop standard, backup b, staleness s): a max-plus recursion on
+publish times P_i(k), evaluated along one seeded sample path of K iterations (ours; [P4] §4.2 writes
+the one-step form T = max(E[max_{j in group} C_j], T_comm) + O, which this reproduces when the
+recursion has no memory):
+      A_{j->i}(k) = start_{j->i}(k) + X_{j->i}        start = max(P_j(k) [+ C_j(k) if no overlap],
+                                                                 link j->i free)   (FIFO pipes)
+      gather_i(k) = max_{j in N_in(i,k)} A_{j->i}(k)                 standard / D-PSGD / SGP
+                  = (|N_in| - b)-th smallest A_{j->i}(k)             Hop backup b (order statistic)
+                  = max_j A_{j->i}(k - s)                            Hop staleness s
+      tokens_i(k) = max_{j in N_out(i)} P_j(k + 1 - max_ig) + lat_ji  Hop token queues (gap bound)
+      P_i(k+1)    = max(P_i(k) + C_i(k), gather_i(k), tokens_i(k)) + O
+  T = (max_i P_i(K) - max_i P_i(K0)) / (K - K0), K0 = K/4 burn-in. With no spread this is the
+  max cycle mean of the graph (exact). With spread, note the difference from [P4]'s
+  E[max_{j in group} C_j]: a worker waits for its neighbours' *published* x_k, which each
+  published one step earlier (after its own previous gradient), so a slow gradient only delays the
+  neighbour's next publish and most of the spread is absorbed (T is close to E[C], not E[max C];
+  the simulator driving the real policies agrees, tests/test_plan_model.py). All-Reduce waits for
+  the gradients themselves, hence E[max_i C_i] there.
+
+Asynchronous closed forms (ours; NetMax and AD-PSGD define no barrier, so a worker's iteration
+time is its own):
+- NetMax [NetMax §"probabilities minimise total time", papers.md 3.2]: t_im = E[max(C_i, R_im)]
+  with R_im = lat_im + lat_mi + M / r_mi the pull's round trip (C_i + R_im without overlap);
+  P = the policy's own probabilities (peerd.sync.netmax.probabilities on t, same solver and
+  consensus weight as the daemon); T_i = sum_m P_im t_im; T = max_i T_i + O.
+  E[max(X, c)] for X ~ N(mu, s): c + (mu - c) Phi(z) + s phi(z), z = (mu - c)/s.
+- AD-PSGD [papers.md 5.2, peerd.sync.baselines]: an active worker pulls a uniform passive
+  neighbour carrying its model: R_ij = lat_ij + M/r_ij + M/r_ji + lat_ji; T_i = mean_j E[max(C_i,
+  R_ij)]; a passive worker never waits: T_j = E[C_j]; T = max_i T_i + O.
+
+Simulated (the simulator drives the very policies; per-iteration time is better computed there
+than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
+peerd.sim runs them timing-only with Gaussian compute (mean_i + O, std_i) and the shared rates
+r_ji of the topology's flows as per-pair bandwidths; T = simulated time / iterations. Overlap only:
+peerd's runtime always overlaps (the trainer publishes x_k before computing its gradient).
+
+Decentralized rows with overlap=True are what `peerd train` runs; overlap=False rows show what the
+overlap buys. Splitting (ours): the edges whose updates the mixes actually used in steady state (in
+hand at the mix; the last quarter of the sample path, the last half of a simulation) must connect
+every host; Hop's backup mode on a slow cut can run at the fast side's pace only because every
+update across the cut arrives too late and is dropped, so the sites never mix: such rows are marked
+`splits` and never recommended. The recommendation is the fastest runnable row that does not split. Per-iteration time only: the model
+says nothing about how many iterations each algorithm needs to reach a loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+import numpy as np
+
+from peerd.config import Config
+from peerd.sync import netmax as nm
+from peerd.sync import registry, topology
+from peerd.sync.topology import Topology
+
+# Algorithms whose steady state the max-plus recursion models, and those left to the simulator.
+SYNC = ("d-psgd", "hop", "hop-backup", "hop-staleness", "sgp")
+SIMULATED = ("hop-backup-skip", "hop-staleness-skip", "aau")
+ASYNC = ("netmax", "netmax-uniform", "netmax-inv", "netmax-invsqrt", "ad-psgd")
+TOPOLOGIES = ("ring", "exp", "aer", "complete")
+DDP = "ddp"
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A capacity several ordered host pairs share (bytes/s), e.g. a site uplink."""
+    name: str
+    capacity: float
+    pairs: frozenset[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Network:
+    bandwidth: np.ndarray                 # (n, n) bytes/s, [i, j]: i -> j; diagonal ignored
+    latency: np.ndarray                   # (n, n) one-way seconds
+    shared: tuple[Shared, ...] = ()
+    sites: tuple[int, ...] | None = None  # site index per host (hierarchical All-Reduce)
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        bw = np.asarray(self.bandwidth, dtype=float)
+        lat = np.asarray(self.latency, dtype=float)
+        n = bw.shape[0] if bw.ndim == 2 else -1
+        if bw.ndim != 2 or bw.shape != (n, n) or lat.shape != (n, n):
+            raise ValueError(f"bandwidth/latency: expected two n x n matrices, got {bw.shape} and {lat.shape}")
+        off = ~np.eye(n, dtype=bool)
+        if n and (not np.all(bw[off] > 0) or not np.all(np.isfinite(bw[off]))):
+            raise ValueError("bandwidth: every pair needs a finite rate > 0 (bytes/s)")
+        if n and (not np.all(lat[off] >= 0) or not np.all(np.isfinite(lat[off]))):
+            raise ValueError("latency: every pair needs a finite one-way latency >= 0 (s)")
+        if self.sites is not None and len(self.sites) != n:
+            raise ValueError(f"sites: expected {n} entries, got {len(self.sites)}")
+        object.__setattr__(self, "bandwidth", bw)
+        object.__setattr__(self, "latency", lat)
+
+    @property
+    def n(self) -> int:
+        return self.bandwidth.shape[0]
+
+    @classmethod
+    def uniform(cls, n: int, bandwidth: float, latency: float = 0.0) -> "Network":
+        return cls(np.full((n, n), float(bandwidth)), np.full((n, n), float(latency)))
+
+    def rates(self, flows: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+        """Rate of each flow (src, dst) -> weight (expected number in flight), equal share of each
+        shared capacity it crosses."""
+        load = {g.name: sum(w for f, w in flows.items() if f in g.pairs) for g in self.shared}
+        out = {}
+        for f in flows:
+            r = float(self.bandwidth[f])
+            for g in self.shared:
+                if f in g.pairs:
+                    r = min(r, g.capacity / max(1.0, load[g.name]))
+            out[f] = r
+        return out
+
+
+@dataclass(frozen=True)
+class Compute:
+    mean: np.ndarray                      # (n,) seconds per gradient, straggler factor applied
+    std: np.ndarray                       # (n,) seconds
+
+    def __post_init__(self) -> None:
+        m = np.atleast_1d(np.asarray(self.mean, dtype=float))
+        s = np.atleast_1d(np.asarray(self.std, dtype=float))
+        if m.shape != s.shape or m.ndim != 1:
+            raise ValueError(f"mean/std: expected two vectors of one length, got {m.shape} and {s.shape}")
+        if np.any(m < 0) or np.any(s < 0) or not np.all(np.isfinite(m)) or not np.all(np.isfinite(s)):
+            raise ValueError("mean/std: compute times must be finite and >= 0")
+        object.__setattr__(self, "mean", m)
+        object.__setattr__(self, "std", s)
+
+    @classmethod
+    def of(cls, n: int, mean: float, std: float = 0.0, factors: dict[int, float] | None = None) -> "Compute":
+        f = np.array([(factors or {}).get(i, 1.0) for i in range(n)])
+        return cls(mean * f, std * f)
+
+    def sample(self, rng: np.random.Generator) -> np.ndarray:
+        if not np.any(self.std):
+            return self.mean
+        return np.maximum(0.0, rng.normal(self.mean, self.std))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    algorithm: str
+    topology: str
+    overlap: bool
+    iter_time_s: float
+    method: str                # all-reduce | max-plus | closed-form | simulator
+    runnable: bool             # peerd (or DDP) runs exactly this
+    speedup: float = 0.0       # over ring All-Reduce with overlap
+    connected: bool = True     # the updates it mixes in steady state reach every host (else it splits)
+
+    def record(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "topology": self.topology, "overlap": self.overlap,
+                "iter_time_s": self.iter_time_s, "speedup": self.speedup, "method": self.method,
+                "runnable": self.runnable, "connected": self.connected}
+
+
+@dataclass(frozen=True)
+class Options:
+    overhead: float = 0.0          # O, seconds per iteration
+    iterations: int = 400          # K of the max-plus sample path
+    sim_iterations: int = 150      # iterations per worker of a simulated contender
+    seed: int = 0
+    backward_fraction: float = 0.67
+    bucket_bytes: int = 25 << 20
+    max_ig: int = 4
+    backup: int = 1
+    staleness: int = 2
+    max_skip: int = 4
+    aau_staleness: int = 2
+    netmax_consensus: float = 0.3
+
+    @classmethod
+    def from_config(cls, cfg: Config, overhead: float | None = None) -> "Options":
+        return cls(overhead=cfg.plan_overhead if overhead is None else overhead,
+                   iterations=cfg.plan_iterations, sim_iterations=cfg.plan_sim_iterations,
+                   backward_fraction=cfg.plan_backward_fraction, bucket_bytes=cfg.plan_bucket_bytes,
+                   max_ig=cfg.hop_max_ig, backup=cfg.hop_backup,
+                   staleness=cfg.hop_staleness if cfg.hop_staleness >= 0 else 2, max_skip=cfg.hop_max_skip,
+                   aau_staleness=cfg.aau_staleness, netmax_consensus=cfg.netmax_consensus)
+
+
+# ---- order statistics ------------------------------------------------------------------------
+
+def _phi(z: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _Phi(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.asarray(_erf(np.asarray(z, dtype=float) / math.sqrt(2)), dtype=float))
+
+
+def expected_max(mean: Iterable[float], std: Iterable[float], points: int = 4001) -> float:
+    """E[max_i X_i], X_i ~ Normal(mean_i, std_i) independent, truncated at 0 (numeric integral of
+    the survival function of the max)."""
+    m, s = np.asarray(list(mean), float), np.asarray(list(std), float)
+    if not np.any(s):
+        return float(m.max())
+    # Below the largest deterministic time the max is certainly above t: integrate from there.
+    lo = float(m[s == 0].max()) if np.any(s == 0) else 0.0
+    hi = max(lo, float(np.max(m + 8 * s)))
+    t = np.linspace(lo, hi, points)
+    cdf = np.ones_like(t)
+    for mu, sd in zip(m[s > 0], s[s > 0]):
+        cdf *= _Phi((t - mu) / sd)
+    return lo + float(np.trapezoid(1.0 - cdf, t))
+
+
+def expected_max_const(mu: float, sd: float, c: float) -> float:
+    """E[max(X, c)] for X ~ Normal(mu, sd)."""
+    if sd == 0:
+        return max(mu, c)
+    z = (mu - c) / sd
+    return float(c + (mu - c) * _Phi(np.array(z)) + sd * _phi(np.array(z)))
+
+
+# ---- All-Reduce ------------------------------------------------------------------------------
+
+def ring_allreduce_time(net: Network, nbytes: float, order: list[int] | None = None) -> float:
+    """2(n-1) steps of nbytes/n over the ring in `order`, all ring edges busy at once."""
+    order = list(range(net.n)) if order is None else order
+    n = len(order)
+    if n < 2:
+        return 0.0
+    edges = [(order[i], order[(i + 1) % n]) for i in range(n)]
+    r = net.rates({e: 1.0 for e in edges})
+    step = max(net.latency[e] + nbytes / n / r[e] for e in edges)
+    return 2 * (n - 1) * step
+
+
+def hierarchical_allreduce_time(net: Network, nbytes: float) -> float | None:
+    """Intra-site reduce-scatter, k concurrent inter-site rings on nbytes/k, intra-site all-gather.
+    None without at least two sites."""
+    if net.sites is None:
+        return None
+    groups: dict[int, list[int]] = {}
+    for h, s in enumerate(net.sites):
+        groups.setdefault(s, []).append(h)
+    sites = list(groups.values())
+    S, k = len(sites), max(len(g) for g in sites)
+    if S < 2 or k < 2:
+        return None
+    intra = [(g[i], g[(i + 1) % len(g)]) for g in sites if len(g) > 1 for i in range(len(g))]
+    inter = []
+    for r in range(k):
+        ring = [g[r % len(g)] for g in sites]
+        inter += [(ring[i], ring[(i + 1) % S]) for i in range(S)]
+    flows = {e: 0.0 for e in intra + inter}
+    for e in intra + inter:
+        flows[e] += 1.0
+    ri = net.rates({e: flows[e] for e in intra})
+    rx = net.rates({e: flows[e] for e in inter})
+    t_intra = max(net.latency[e] + nbytes / k / ri[e] for e in intra)
+    t_inter = max(net.latency[e] + nbytes / (k * S) / rx[e] for e in inter)
+    return 2 * (k - 1) * t_intra + 2 * (S - 1) * t_inter
+
+
+def ddp_iteration(comm: float, comp: Compute, nbytes: float, opts: Options, overlap: bool) -> float:
+    cmax = expected_max(comp.mean, comp.std)
+    if overlap:
+        buckets = max(1, math.ceil(nbytes / opts.bucket_bytes))
+        exposed = max(comm - opts.backward_fraction * cmax, comm / buckets)
+    else:
+        exposed = comm
+    return cmax + exposed + opts.overhead
+
+
+# ---- synchronous decentralized: max-plus recursion --------------------------------------------
+
+def _edges(topo: Topology, k: int) -> list[tuple[int, int]]:
+    return [(j, i) for i in range(topo.n) for j in topo.in_neighbors(i, k)]
+
+
+def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options, *,
+                      overlap: bool = True, backup: int = 0, staleness: int | None = None,
+                      max_ig: int | None = None, used: set[tuple[int, int]] | None = None) -> float:
+    """Steady-state seconds per iteration of the recursion in the module docstring. `used` collects
+    the edges (j, i) whose update was in hand at i's mix during the last quarter."""
+    n, K = topo.n, max(8, opts.iterations)
+    rng = np.random.default_rng(opts.seed + 104729)
+    lag = staleness or 0
+    hist = [np.zeros(n)]                         # P(k), k = 0..
+    free: dict[tuple[int, int], float] = {}
+    C_hist: list[np.ndarray] = []
+    per = {}                                     # k mod period -> (edges, transfer times)
+    for k in range(K):
+        C = comp.sample(rng)
+        C_hist.append(C)
+        P = hist[-1]
+        key = k % topo.period
+        if key not in per:
+            es = _edges(topo, k)
+            r = net.rates({e: 1.0 for e in es})
+            per[key] = (es, {e: net.latency[e] + nbytes / r[e] for e in es})
+        es, X = per[key]
+        # Arrival at i of j's iteration-(k - lag) model.
+        src_k = k - lag
+        arr = np.full((n, n), -np.inf)
+        if src_k >= 0:
+            Ps, Cs = hist[src_k], C_hist[src_k]
+            es_src, X_src = per.get(src_k % topo.period, (es, X))
+            for (j, i) in es_src:
+                start = Ps[j] + (0.0 if overlap else Cs[j])
+                start = max(start, free.get((j, i), 0.0))
+                done = start + X_src[(j, i)]
+                free[(j, i)] = done - net.latency[j, i]
+                arr[i, j] = done
+        need = np.full(n, -np.inf)
+        for i in range(n):
+            row = arr[i][np.isfinite(arr[i])]
+            if row.size == 0:
+                continue
+            if backup:
+                want = row.size - backup
+                if want >= 1:
+                    need[i] = np.sort(row)[want - 1]
+            else:
+                need[i] = row.max()
+        if max_ig is not None and k + 1 - max_ig >= 0:
+            Pt = hist[k + 1 - max_ig]
+            for (j, i) in es:                    # i -> j is an out-edge of i when j -> i is an in-edge
+                need[i] = max(need[i], Pt[j] + net.latency[j, i])
+        mix = np.maximum(P + C, need)
+        if used is not None and k >= 3 * K // 4:
+            for (j, i) in es:
+                if arr[i, j] <= mix[i]:
+                    used.add((j, i))
+        hist.append(mix + opts.overhead)
+    k0 = K // 4
+    return float((hist[K].max() - hist[k0].max()) / (K - k0))
+
+
+# ---- asynchronous closed forms ---------------------------------------------------------------
+
+def _pull_times(net: Network, nbytes: float, flows: dict[tuple[int, int], float]) -> np.ndarray:
+    """R[i, m]: i asks m (latency), m's model comes back at the shared rate, over every (m, i) flow."""
+    r = net.rates(flows)
+    n = net.n
+    R = np.full((n, n), np.inf)
+    for (m, i), rate in r.items():
+        R[i, m] = net.latency[i, m] + net.latency[m, i] + nbytes / rate
+    return R
+
+
+def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
+                     overlap: bool = True, kind: str = "opt") -> float:
+    adj = topo.adjacency()
+    n = topo.n
+    pairs = [(m, i) for i in range(n) for m in range(n) if adj[i, m]]
+    # Rates depend on P and P on rates: shares under uniform P, then P from those times (one pass;
+    # the solver is the costly part).
+    R = _pull_times(net, nbytes, {(m, i): 1.0 / max(1, adj[i].sum()) for (m, i) in pairs})
+    t = np.full((n, n), np.inf)
+    for (m, i) in pairs:
+        t[i, m] = (comp.mean[i] + R[i, m]) if not overlap else expected_max_const(comp.mean[i], comp.std[i], R[i, m])
+    P = nm.probabilities(np.where(adj, t, 0.0), adj, kind, opts.netmax_consensus)
+    T = np.array([sum(P[i, m] * t[i, m] for m in range(n) if adj[i, m]) for i in range(n)])
+    return float(T.max() + opts.overhead)
+
+
+def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
+                     overlap: bool = True) -> float:
+    n = topo.n
+    act = [i for i in range(n) if i % 2 == 0]
+    partners = {i: [j for j in topo.out_neighbors(i) if j % 2 == 1] for i in act}
+    if any(not p for p in partners.values()):
+        raise ValueError("topology: AD-PSGD needs a passive (odd) neighbour for every active worker")
+    flows: dict[tuple[int, int], float] = {}
+    for i in act:
+        for j in partners[i]:
+            w = 1.0 / len(partners[i])
+            flows[(i, j)] = flows.get((i, j), 0.0) + w
+            flows[(j, i)] = flows.get((j, i), 0.0) + w
+    r = net.rates(flows)
+    T = comp.mean.copy()                       # passive workers never wait
+    for i in act:
+        ts = []
+        for j in partners[i]:
+            R = net.latency[i, j] + nbytes / r[(i, j)] + nbytes / r[(j, i)] + net.latency[j, i]
+            ts.append(comp.mean[i] + R if not overlap else expected_max_const(comp.mean[i], comp.std[i], R))
+        T[i] = float(np.mean(ts))
+    return float(T.max() + opts.overhead)
+
+
+# ---- simulated -------------------------------------------------------------------------------
+
+def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, topo_name: str,
+                        algorithm: str, opts: Options, used: set[tuple[int, int]] | None = None) -> float:
+    from peerd.sim.engine import SimSpec, Simulator
+
+    class _GaussSim(Simulator):
+        def compute_time(self, i: int) -> float:
+            sd = comp.std[i]
+            t = comp.mean[i] + opts.overhead
+            return max(0.0, float(self.rng.normal(t, sd))) if sd else float(t)
+
+    n = topo.n
+    es = _edges(topo, 0)
+    r = net.rates({e: 1.0 for e in es})
+    bw = net.bandwidth.copy()
+    for e, rate in r.items():
+        bw[e] = rate
+    bw[np.eye(n, dtype=bool)] = 1.0
+    K = max(10, opts.sim_iterations)
+    spec = SimSpec(n=n, params=max(1, int(nbytes // 4)), iterations=K, compute=1.0, bandwidth=bw,
+                   latency=net.latency, timing_only=True, stop_at_target=False, seed=opts.seed,
+                   estimates=registry.ESTIMATES.get(algorithm, "none"))
+    o: dict[str, Any] = {}
+    if algorithm.startswith("hop"):
+        o.update(max_ig=opts.max_ig, max_skip=opts.max_skip)
+        if "backup" in algorithm:
+            o["backup"] = opts.backup
+        if "staleness" in algorithm:
+            o["staleness"] = opts.staleness
+    elif algorithm == "aau":
+        o["staleness"] = opts.aau_staleness
+    pols = registry.build(algorithm, n, topo, seed=opts.seed, **o)
+    def on_mix(_sim: Any, i: int, mix: Any) -> None:
+        if used is not None and mix.k >= K // 2:
+            used.update((src, i) for src, _, _ in mix.entries if src != i)
+
+    sim = _GaussSim(spec, pols, name=algorithm, on_mix=on_mix)
+    sim.estimates = _estimates_with(sim, comp, opts, nbytes, r, net)  # type: ignore[method-assign]
+    res = sim.run()
+    if res.stalled:
+        return math.inf
+    return float(res.sim_time / K)
+
+
+def _estimates_with(sim: Any, comp: Compute, opts: Options, nbytes: float, r: dict, net: Network):
+    """The LinkEstimates a perfect monitor would measure, with our compute means (the simulator's
+    own version reads its scalar compute)."""
+    def estimates(kind: str) -> np.ndarray:
+        n = net.n
+        c = comp.mean + opts.overhead
+        xfer = np.zeros((n, n))
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    rate = r.get((j, i), net.bandwidth[j, i])
+                    xfer[i, j] = nbytes / rate + net.latency[j, i]
+        if kind == "arrival":
+            return c[None, :] + xfer
+        return np.maximum(c[:, None], xfer + net.latency)
+    return estimates
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+def make_topology(name: str, n: int) -> Topology | None:
+    """The topology `peerd train --topology NAME` builds, or None where n does not allow it."""
+    try:
+        return topology.make(name, n)
+    except ValueError:
+        return None
+
+
+def _rows(n: int) -> list[tuple[str, str]]:
+    rows = []
+    for t in TOPOLOGIES:
+        topo = make_topology(t, n)
+        if topo is None:
+            continue
+        rows.append(("d-psgd", t))
+        if topo.period == 1:
+            rows += [(a, t) for a in ("hop", "hop-backup", "hop-staleness", "hop-backup-skip",
+                                      "hop-staleness-skip", "aau", "netmax")]
+            if n % 2 == 0:
+                rows.append(("ad-psgd", t))
+    if make_topology("exp-directed", n) is not None and n > 1:
+        rows.append(("sgp", "exp-directed"))
+    return rows
+
+
+def connected(n: int, edges: Iterable[tuple[int, int]]) -> bool:
+    """Every host reaches every other along the edges (strong connectivity)."""
+    out: dict[int, set[int]] = {i: set() for i in range(n)}
+    back: dict[int, set[int]] = {i: set() for i in range(n)}
+    for a, b in edges:
+        out[a].add(b)
+        back[b].add(a)
+
+    def reach(g: dict[int, set[int]]) -> int:
+        seen, stack = {0}, [0]
+        while stack:
+            for b in g[stack.pop()] - seen:
+                seen.add(b)
+                stack.append(b)
+        return len(seen)
+    return n < 2 or (reach(out) == n and reach(back) == n)
+
+
+def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo_name: str,
+                opts: Options, overlap: bool = True, used: set[tuple[int, int]] | None = None) -> float:
+    """Predicted seconds per iteration of one decentralized contender (or 'ddp', topology 'ring' or
+    'hierarchical'). `used` (max-plus and simulated contenders) collects the edges whose updates
+    the mixes used in steady state."""
+    n = net.n
+    if comp.mean.shape != (n,):
+        raise ValueError(f"compute: {comp.mean.shape[0]} hosts, network has {n}")
+    if algorithm == DDP:
+        comm = (hierarchical_allreduce_time(net, nbytes) if topo_name == "hierarchical"
+                else ring_allreduce_time(net, nbytes))
+        if comm is None:
+            raise ValueError("topology: hierarchical All-Reduce needs at least two sites of two hosts")
+        return ddp_iteration(comm, comp, nbytes, opts, overlap)
+    if n == 1:
+        return float(comp.mean[0] + opts.overhead)
+    topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
+    if algorithm in ("d-psgd", "sgp"):
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, used=used)
+    if algorithm == "hop":
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, max_ig=opts.max_ig, used=used)
+    if algorithm == "hop-backup":
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, backup=opts.backup,
+                                 max_ig=opts.max_ig, used=used)
+    if algorithm == "hop-staleness":
+        return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, staleness=opts.staleness,
+                                 max_ig=max(opts.max_ig, opts.staleness + 1), used=used)
+    if algorithm.startswith("netmax"):
+        kind = {"netmax": "opt"}.get(algorithm, algorithm.partition("-")[2])
+        return netmax_iteration(net, comp, nbytes, topo, opts, overlap, kind)
+    if algorithm == "ad-psgd":
+        return adpsgd_iteration(net, comp, nbytes, topo, opts, overlap)
+    if algorithm in SIMULATED:
+        if not overlap:
+            raise ValueError(f"overlap: {algorithm} is simulated with overlap only")
+        return simulated_iteration(net, comp, nbytes, topo, topo_name, algorithm, opts, used)
+    raise ValueError(f"algorithm: no runtime model for {algorithm!r}")
+
+
+def method_of(algorithm: str) -> str:
+    if algorithm == DDP:
+        return "all-reduce"
+    if algorithm in SIMULATED:
+        return "simulator"
+    if algorithm in ASYNC:
+        return "closed-form"
+    return "max-plus" if algorithm in SYNC else "unknown"
+
+
+def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None, *,
+         overlap_off: bool = True, algorithms: Iterable[str] | None = None) -> list[Prediction]:
+    """Every contender, fastest first. Speedups are over ring All-Reduce with overlap."""
+    opts = opts or Options()
+    n = net.n
+    keep = set(algorithms) if algorithms is not None else None
+    cands: list[tuple[str, str, bool]] = [(DDP, "ring", True)]
+    if overlap_off:
+        cands.append((DDP, "ring", False))
+    if hierarchical_allreduce_time(net, nbytes) is not None:
+        cands += [(DDP, "hierarchical", True)] + ([(DDP, "hierarchical", False)] if overlap_off else [])
+    if n > 1:
+        for a, t in _rows(n):
+            cands.append((a, t, True))
+            if overlap_off and a not in SIMULATED:
+                cands.append((a, t, False))
+    out = []
+    for a, t, ov in cands:
+        if keep is not None and a not in keep and a != DDP:
+            continue
+        used: set[tuple[int, int]] = set()
+        T = predict_one(net, comp, nbytes, a, t, opts, ov, used)
+        conn = connected(n, used) if method_of(a) in ("max-plus", "simulator") else True
+        out.append(Prediction(a, t, ov, float(T), method_of(a), runnable=ov, connected=bool(conn)))
+    base = next(p.iter_time_s for p in out if p.algorithm == DDP and p.topology == "ring" and p.overlap)
+    out = [replace(p, speedup=float(base / p.iter_time_s) if p.iter_time_s > 0 else math.inf) for p in out]
+    out.sort(key=lambda p: (float(f"{p.iter_time_s:.6g}"), not p.runnable, _pref(p)))
+    return out
+
+
+def _pref(p: Prediction) -> tuple[int, int]:
+    return (PREFERENCE.index(p.algorithm) if p.algorithm in PREFERENCE else 99,
+            TOPO_PREFERENCE.index(p.topology) if p.topology in TOPO_PREFERENCE else 99)
+
+
+PREFERENCE = [DDP, *registry.ALGORITHMS]              # ties go to the simpler, exact averaging first
+TOPO_PREFERENCE = ["ring", "hierarchical", "exp", "exp-directed", "aer", "complete"]
+
+
+def recommend(preds: list[Prediction], peerd_only: bool = False,
+              tie: float = 0.02) -> tuple[Prediction, Prediction | None]:
+    """(best, runner-up) among runnable rows whose mixes connect the hosts; `peerd_only` leaves DDP
+    out (what `peerd train` runs). Rows within `tie` (relative) of the fastest count as tied and go
+    by a fixed preference (DDP, then the registry's order; ring first), so hosts whose link
+    estimates differ a little still choose the same."""
+    ok = [p for p in preds if p.runnable and p.connected and (not peerd_only or p.algorithm != DDP)]
+    if not ok:
+        raise ValueError("plan: no runnable contender")
+
+    def pick(rows: list[Prediction]) -> Prediction:
+        fastest = min(p.iter_time_s for p in rows)
+        tied = [p for p in rows if p.iter_time_s <= fastest * (1 + tie)]
+        return min(tied, key=_pref)
+    best = pick(ok)
+    rest = [p for p in ok if (p.algorithm, p.topology) != (best.algorithm, best.topology)]
+    return best, (pick(rest) if rest else None)

@@ -1,0 +1,116 @@
+"""Model inputs from what peerd knows: a lab profile, or the live link matrix (`peerd links --json`).
+
+Pure: callers load the profile or fetch the matrix; these functions only translate.
+
+- Profile: pair rate (bit/s -> bytes/s; unshaped pairs get Config.plan_unshaped_rate), a host's
+  access link as two shared capacities (its egress and its ingress), a [[site_links]] rate as one
+  shared capacity over every host pair across the two sites (it is an aggregate), one-way delay of
+  the site link plus Config.plan_base_latency, sites as given, straggler factors (`slowdown`) on
+  the compute mean and spread.
+- Link matrix: bandwidth of i -> j as measured by i (else j's measurement of j -> i), latency half
+  the RTT; a pair nobody measured gets Config.plan_unshaped_rate and is reported. No shared
+  capacities are known there (each pair was probed alone). Sites: hosts joined by links at least
+  Config.plan_site_ratio of the fastest one (connected components; ours).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from peerd.config import Config
+from peerd.lab.profile import Profile
+from peerd.plan.model import Compute, Network, Shared
+
+
+def network_from_profile(prof: Profile, cfg: Config | None = None) -> Network:
+    cfg = cfg or Config()
+    names = [h.name for h in prof.hosts]
+    n = len(names)
+    idx = {h: i for i, h in enumerate(names)}
+    bw = np.full((n, n), float(cfg.plan_unshaped_rate))
+    lat = np.full((n, n), float(cfg.plan_base_latency))
+    for (a, b), bps in prof.pair_rates.items():
+        bw[idx[a], idx[b]] = bps / 8
+    shared = []
+    for h in prof.hosts:
+        if h.link_bps:
+            i = idx[h.name]
+            shared.append(Shared(f"{h.name}-out", h.link_bps / 8, frozenset((i, j) for j in range(n) if j != i)))
+            shared.append(Shared(f"{h.name}-in", h.link_bps / 8, frozenset((j, i) for j in range(n) if j != i)))
+    for (sa, sb), link in prof.site_links.items():
+        pairs = frozenset((idx[a.name], idx[b.name]) for a in prof.site_hosts(sa) for b in prof.site_hosts(sb))
+        if link.rate_bps:
+            shared.append(Shared(f"{sa}->{sb}", link.rate_bps / 8, pairs))
+        for p in pairs:
+            lat[p] += link.delay_s
+    site_idx = {s: k for k, s in enumerate(prof.sites)}
+    sites = tuple(site_idx[h.site] for h in prof.hosts)
+    return Network(bw, lat, tuple(shared), sites if len(prof.sites) > 1 else None, tuple(names))
+
+
+def compute_from_profile(prof: Profile, mean: float, std: float = 0.0) -> Compute:
+    f = np.array([h.slowdown for h in prof.hosts])
+    return Compute(mean * f, std * f)
+
+
+def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None,
+                       cfg: Config | None = None) -> tuple[Network, list[str]]:
+    """(network, warnings) from {"node_id", "links": [LinkEntry dicts]} (bandwidth_bps is bytes/s)."""
+    cfg = cfg or Config()
+    ent: dict[tuple[str, str], Mapping[str, Any]] = {}
+    seen: set[str] = {str(matrix.get("node_id", ""))} - {""}
+    for d in matrix.get("links", []) or []:
+        m, t = str(d.get("measurer", "")), str(d.get("target", ""))
+        if m and t and m != t:
+            ent[(m, t)] = d
+            seen |= {m, t}
+    nodes = sorted(seen) if nodes is None else list(nodes)
+    n = len(nodes)
+    bw = np.full((n, n), float(cfg.plan_unshaped_rate))
+    lat = np.full((n, n), 0.0)
+    missing = []
+
+    def val(key: tuple[str, str], field: str) -> float:
+        d = ent.get(key)
+        return float(d.get(field, 0) or 0) if d is not None else 0.0
+
+    for i, a in enumerate(nodes):
+        for j, b in enumerate(nodes):
+            if i == j:
+                continue
+            rate = val((a, b), "bandwidth_bps") or val((b, a), "bandwidth_bps")
+            if rate > 0:
+                bw[i, j] = rate
+            else:
+                missing.append(f"{a}->{b}")
+            rtts = [x for x in (val((a, b), "rtt_s"), val((b, a), "rtt_s")) if x > 0]
+            lat[i, j] = min(rtts) / 2 if rtts else cfg.plan_base_latency
+    warnings = [f"no bandwidth measured for {len(missing)} pairs ({', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}); assumed {cfg.plan_unshaped_rate * 8 / 1e6:.0f} Mbit/s"] \
+        if missing else []
+    return Network(bw, lat, (), infer_sites(bw, cfg.plan_site_ratio), tuple(nodes)), warnings
+
+
+def infer_sites(bw: np.ndarray, ratio: float) -> tuple[int, ...] | None:
+    """Connected components of the links at least `ratio` x the fastest; None if only one."""
+    n = bw.shape[0]
+    if n < 2:
+        return None
+    off = ~np.eye(n, dtype=bool)
+    fast = np.minimum(bw, bw.T) >= ratio * np.minimum(bw, bw.T)[off].max()
+    site = [-1] * n
+    s = 0
+    for i in range(n):
+        if site[i] >= 0:
+            continue
+        stack = [i]
+        site[i] = s
+        while stack:
+            a = stack.pop()
+            for b in range(n):
+                if a != b and fast[a, b] and site[b] < 0:
+                    site[b] = s
+                    stack.append(b)
+        s += 1
+    return tuple(site) if s > 1 else None

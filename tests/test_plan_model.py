@@ -1,0 +1,225 @@
+"""The runtime model on cases with known answers: pure compute, pure bandwidth, pure latency,
+overlap on/off, a straggler, two sites; and against the simulator that drives the real policies."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from peerd.lab import profile
+from peerd.plan import model, sources
+from peerd.plan.model import Compute, Network, Options, Shared, predict_one
+from peerd.sim.engine import SimSpec, Simulator
+from peerd.sync import registry, topology
+
+FAST = 1e15          # bytes/s: communication costs nothing
+OPTS = Options(iterations=400, sim_iterations=100)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_pure_compute_every_contender_takes_the_compute_time():
+    n, c = 8, 0.2
+    net = Network.uniform(n, FAST, 0.0)
+    preds = model.plan(net, Compute.of(n, c), 1000, OPTS)
+    assert len(preds) > 20
+    for p in preds:
+        assert rel(p.iter_time_s, c) < 1e-6, p
+
+
+def test_expected_max_known_answers():
+    # Two iid normals: E[max] = mu + sigma / sqrt(pi).
+    assert rel(model.expected_max([1.0, 1.0], [0.1, 0.1]), 1 + 0.1 / math.sqrt(math.pi)) < 1e-4
+    # No spread: the largest mean.
+    assert model.expected_max([1.0, 3.0, 2.0], [0, 0, 0]) == 3.0
+    # One deterministic host far above the others dominates.
+    assert rel(model.expected_max([5.0, 1.0], [0.0, 0.1]), 5.0) < 1e-4
+    # E[max(X, c)]: c far below the mean is the mean; far above is c.
+    assert rel(model.expected_max_const(1.0, 0.1, -10), 1.0) < 1e-9
+    assert rel(model.expected_max_const(1.0, 0.1, 10), 10) < 1e-9
+
+
+def test_pure_compute_with_spread_synchronous_waits_for_the_expected_max():
+    n, mu, sd = 4, 1.0, 0.2
+    net = Network.uniform(n, FAST)
+    comp = Compute.of(n, mu, sd)
+    emax = model.expected_max([mu] * n, [sd] * n)
+    assert emax > mu + 0.15                                   # the spread costs something
+    # All-Reduce: a global barrier every iteration, closed form.
+    assert rel(predict_one(net, comp, 1000, "ddp", "ring", OPTS), emax) < 1e-6
+    # D-PSGD waits for its neighbours' *published* x_k, which left one step earlier: a slow gradient
+    # only delays the next publish, so the spread is mostly absorbed. The event simulator driving
+    # the real policy (Gaussian compute) agrees with the max-plus sample path.
+    long = Options(iterations=2000, sim_iterations=800)
+    for t in ("complete", "ring"):
+        mp = predict_one(net, comp, 1000, "d-psgd", t, long)
+        sim = model.simulated_iteration(net, comp, 1000, topology.make(t, n), t, "d-psgd", long)
+        assert mu < mp < emax, t
+        assert rel(mp, sim) < 0.02, t
+    # Asynchronous NetMax does not wait at all: its mean compute time.
+    assert rel(predict_one(net, comp, 1000, "netmax", "ring", OPTS), mu) < 1e-6
+
+
+def test_pure_bandwidth():
+    n, M, B = 8, 8e6, 1e6
+    net = Network.uniform(n, B)
+    comp = Compute.of(n, 0.0)
+    nov = Options()
+    assert rel(model.ring_allreduce_time(net, M), 2 * (n - 1) / n * M / B) < 1e-12
+    assert rel(predict_one(net, comp, M, "ddp", "ring", nov, overlap=False), 2 * (n - 1) / n * M / B) < 1e-12
+    # Neighbour averaging: each pair link carries one model per iteration.
+    for t in ("ring", "exp", "complete"):
+        assert rel(predict_one(net, comp, M, "d-psgd", t, nov), M / B) < 1e-6, t
+    assert rel(predict_one(net, comp, M, "sgp", "exp-directed", nov), M / B) < 1e-6
+    # One-peer pull: the model comes back once per iteration.
+    assert rel(predict_one(net, comp, M, "netmax", "complete", nov), M / B) < 1e-6
+    # AD-PSGD's active worker sends its model and gets one back.
+    assert rel(predict_one(net, comp, M, "ad-psgd", "ring", nov), 2 * M / B) < 1e-6
+    # A shared egress of B per host: the complete graph's n-1 sends share it.
+    shared = tuple(Shared(f"out{i}", B, frozenset((i, j) for j in range(n) if j != i)) for i in range(n))
+    net_s = Network(net.bandwidth, net.latency, shared)
+    assert rel(predict_one(net_s, comp, M, "d-psgd", "complete", nov), (n - 1) * M / B) < 1e-6
+    assert rel(predict_one(net_s, comp, M, "d-psgd", "ring", nov), 2 * M / B) < 1e-6
+
+
+def test_pure_latency():
+    n, L = 8, 0.01
+    net = Network.uniform(n, FAST, L)
+    comp = Compute.of(n, 0.0)
+    o = Options()
+    assert rel(predict_one(net, comp, 1, "ddp", "ring", o, overlap=False), 2 * (n - 1) * L) < 1e-6
+    assert rel(predict_one(net, comp, 1, "d-psgd", "ring", o), L) < 1e-6
+    assert rel(predict_one(net, comp, 1, "hop", "ring", o), L) < 1e-6
+    assert rel(predict_one(net, comp, 1, "netmax", "ring", o), 2 * L) < 1e-6     # request + reply
+    assert rel(predict_one(net, comp, 1, "ad-psgd", "ring", o), 2 * L) < 1e-6
+
+
+def test_overlap_on_and_off():
+    n, C, M, B = 4, 1.0, 1e6, 1e6                   # compute and one transfer both take 1 s
+    net = Network.uniform(n, B)
+    comp = Compute.of(n, C)
+    o = Options(bucket_bytes=1 << 30)
+    assert rel(predict_one(net, comp, M, "d-psgd", "ring", o, overlap=True), max(C, M / B)) < 1e-6
+    assert rel(predict_one(net, comp, M, "d-psgd", "ring", o, overlap=False), C + M / B) < 1e-6
+    ar = 2 * (n - 1) / n * M / B
+    # DDP hides the all-reduce behind the backward pass only (f_bw = 0.67 of C), one bucket here.
+    assert rel(predict_one(net, comp, M, "ddp", "ring", o, overlap=False), C + ar) < 1e-9
+    assert rel(predict_one(net, comp, M, "ddp", "ring", o, overlap=True), C + ar) < 1e-9   # 1 bucket: exposed
+    o4 = Options(bucket_bytes=int(M // 4), backward_fraction=0.67)
+    assert rel(predict_one(net, comp, M, "ddp", "ring", o4, overlap=True), C + max(ar - 0.67 * C, ar / 4)) < 1e-9
+    # The overhead is paid once per iteration.
+    oh = Options(overhead=0.05)
+    assert rel(predict_one(net, comp, M, "d-psgd", "ring", oh), 1.05) < 1e-6
+
+
+def test_straggler():
+    n, C = 8, 0.1
+    net = Network.uniform(n, FAST, 1e-4)
+    comp = Compute.of(n, C, factors={0: 4.0})
+    # Everybody waits for the straggler through the graph.
+    assert rel(predict_one(net, comp, 4000, "d-psgd", "ring", OPTS), 4 * C) < 0.01
+    assert rel(predict_one(net, comp, 4000, "ddp", "ring", OPTS), 4 * C) < 0.01
+    # Hop with skipping lets the fast workers run (the straggler skips to catch up).
+    skip = predict_one(net, comp, 4000, "hop-backup-skip", "ring", OPTS)
+    assert skip < 0.5 * 4 * C
+    # Asynchronous: the run ends with its slowest worker, which computes 4x longer.
+    assert rel(predict_one(net, comp, 4000, "netmax", "ring", OPTS), 4 * C) < 0.01
+
+
+def test_two_sites_hierarchical_beats_flat():
+    # 2 sites x 4 hosts, 1 GB/s inside, 10 MB/s across (one aggregate per direction).
+    n, M = 8, 1e8
+    site = [0] * 4 + [1] * 4
+    bw = np.where(np.equal.outer(site, site), 1e9, 1e9)
+    shared = (Shared("a->b", 1e7, frozenset((i, j) for i in range(4) for j in range(4, 8))),
+              Shared("b->a", 1e7, frozenset((i, j) for i in range(4, 8) for j in range(4))))
+    net = Network(bw, np.full((n, n), 1e-4), shared, tuple(site))
+    flat = model.ring_allreduce_time(net, M)
+    hier = model.hierarchical_allreduce_time(net, M)
+    assert hier < 0.6 * flat          # 1 x M per direction across the cut instead of 1.75 x M
+    # Flat ring in rank order crosses the cut once each way: 14 steps of M/8 at 10 MB/s.
+    assert rel(flat, 2 * 7 * (1e-4 + M / 8 / 1e7)) < 1e-9
+    # Hierarchical: 4 inter rings share the aggregate, each on M/(4*2): 2(S-1) = 2 steps.
+    assert rel(hier, 2 * 3 * (1e-4 + M / 4 / 1e9) + 2 * (1e-4 + M / 8 / (1e7 / 4))) < 1e-9
+    preds = model.plan(net, Compute.of(n, 0.2), M, OPTS, overlap_off=False)
+    h = next(p for p in preds if p.algorithm == "ddp" and p.topology == "hierarchical")
+    assert h.speedup > 1.5
+
+
+def test_two_sites_profile_shares_the_site_link():
+    prof = profile.load("two-sites")
+    net = sources.network_from_profile(prof)
+    assert net.sites == (0, 0, 1, 1)
+    agg = 50e6 / 8
+    # d-psgd on a ring of 4 puts two flows on a->b (h2->h3 and h1->h4): each gets half.
+    t = predict_one(net, sources.compute_from_profile(prof, 0.2), 1e8, "d-psgd", "ring", OPTS)
+    assert rel(t, 0.020 + 5e-5 + 1e8 / (agg / 2)) < 1e-3
+    best, second = model.recommend(model.plan(net, sources.compute_from_profile(prof, 0.2), 1e8, OPTS))
+    assert best.runnable and second is not None and best.iter_time_s <= second.iter_time_s
+
+
+def test_links_matrix_source():
+    ids = ["a", "b", "c"]
+    links = []
+    for m in ids:
+        for t in ids:
+            if m != t and (m, t) != ("c", "a"):
+                slow = {m, t} == {"a", "c"} or {m, t} == {"b", "c"}
+                links.append({"measurer": m, "target": t, "bandwidth_bps": 1e6 if slow else 1e8,
+                              "rtt_s": 0.02 if slow else 0.001})
+    net, warn = sources.network_from_links({"node_id": "a", "links": links})
+    assert net.names == ("a", "b", "c") and not warn          # c->a falls back on a's measurement
+    assert net.bandwidth[2, 0] == 1e6 and net.latency[0, 2] == pytest.approx(0.01)
+    assert net.sites == (0, 0, 1)
+    net2, warn2 = sources.network_from_links({"node_id": "a", "links": links}, nodes=["a", "b", "c", "d"])
+    assert warn2 and "a->d" in warn2[0]
+
+
+def test_maxplus_agrees_with_the_simulator():
+    """A heterogeneous network and stragglers, no spread: the recursion against the event simulator
+    driving the real D-PSGD and Hop policies."""
+    rng = np.random.default_rng(5)
+    n = 6
+    bw = rng.uniform(2e6, 2e7, (n, n))
+    lat = rng.uniform(1e-4, 5e-3, (n, n))
+    net = Network(bw, lat)
+    comp = Compute.of(n, 0.1, factors={2: 1.7})
+    M = 1e6
+    for algo in ("d-psgd", "hop"):
+        topo = topology.make("ring", n)
+        o = {"max_ig": 4} if algo == "hop" else {}
+        spec = SimSpec(n=n, params=int(M // 4), iterations=300, compute=0.1, factors={2: 1.7}, bandwidth=bw,
+                       latency=lat, timing_only=True, stop_at_target=False)
+        res = Simulator(spec, registry.build(algo, n, topo, **o)).run()
+        sim_t = res.sim_time / 300
+        assert rel(predict_one(net, comp, M, algo, "ring", OPTS), sim_t) < 0.02, algo
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="bandwidth"):
+        Network(np.zeros((2, 2)), np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="mean/std"):
+        Compute(np.array([-1.0]), np.array([0.0]))
+    with pytest.raises(ValueError, match="compute"):
+        predict_one(Network.uniform(3, 1e6), Compute.of(2, 0.1), 1, "d-psgd", "ring", OPTS)
+    with pytest.raises(ValueError, match="algorithm"):
+        predict_one(Network.uniform(3, 1e6), Compute.of(3, 0.1), 1, "nope", "ring", OPTS)
+
+
+@pytest.mark.parametrize("algo,topo", [("d-psgd", "exp"), ("d-psgd", "aer"), ("sgp", "exp-directed"),
+                                       ("hop-backup", "ring"), ("hop-staleness", "complete"),
+                                       ("netmax", "complete"), ("ad-psgd", "ring")])
+def test_model_agrees_with_the_simulator_with_spread_and_a_straggler(algo, topo):
+    """Closed forms and the max-plus recursion against the simulator driving the real policy, on
+    random links, Gaussian compute and one host 2x slower (measured here: within 5 %)."""
+    rng = np.random.default_rng(1)
+    n = 8
+    net = Network(rng.uniform(2e6, 4e7, (n, n)), rng.uniform(1e-4, 5e-3, (n, n)))
+    comp = Compute.of(n, 0.1, 0.02, factors={3: 2.0})
+    o = Options(iterations=600, sim_iterations=300)
+    mp = predict_one(net, comp, 2e6, algo, topo, o)
+    sim = model.simulated_iteration(net, comp, 2e6, topology.make(topo, n), topo, algo, o)
+    assert rel(mp, sim) < 0.06, (mp, sim)
