@@ -17,6 +17,9 @@ def _register() -> None:
         cli.add_command(command)
     for command in (demo.demo, train.train, train.ctl, lab.lab, bench.bench, sim.sim, container.container, plan.plan):
         cli.add_command(command)
+    from cli import lab_churn
+    for command in lab_churn.COMMANDS:
+        lab.lab.add_command(command)
 
 
 _register()

@@ -221,6 +221,19 @@ class Config:
     plan_tie_fraction: float = _f(0.02, "contenders predicted within this fraction of the fastest are tied; "
                                         "ties go by a fixed preference so every host chooses the same")
 
+    # --- churn: leave, crash, join, partitions (issue 8; peerd/node/training.py, peerd/lab/churn.py)
+    train_join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
+                                        "parameters before trying the next")
+    train_join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
+                                  "joining host starts from a neighbour's parameters instead")
+    churn_stall_slack: float = _f(4.0, "seconds beyond dead_after that a live host may go without an iteration "
+                                       "while peers crash or leave (the stall bound is dead_after + this)")
+    churn_readmit_bound: float = _f(45.0, "seconds from a crashed host's daemon restart until it trains and mixes "
+                                          "in the run again (`peerd lab chaos` checks it)")
+    chaos_down_for: float = _f(3.0, "seconds `peerd lab chaos` keeps a killed host down (keep it above "
+                                    "dead_after, so neighbours see the host gone)")
+    chaos_accuracy_margin: float = _f(0.05, "accuracy a run under `peerd lab chaos` may lose against a calm run")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()

@@ -223,6 +223,10 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
             lines += [f"link add {a} type veth peer name {b}", f"link set {a} master {bridge[s]}",
                       f"link set {b} master {core}", f"link set {a} up", f"link set {b} up"]
     netns.batch("ip", sw, lines, t)
+    # What `peerd lab cut|heal` needs (churn.py): the core bridge and each site's port on it.
+    state["core"] = core if multi else None
+    state["uplinks"] = {s: b for s, (a, b) in uplink.items()}
+    _save(lab_dir, state)
     prefix = ipaddress.IPv4Network(state["subnet"]).prefixlen
     for h in hosts.values():
         netns.batch("ip", h["ns"], ["link set lo up", f"addr add {h['ip']}/{prefix} dev eth0",
@@ -275,6 +279,7 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
         argv = daemon_argv(python, h["ip"], port, data_dir, state["run_id"], secret,
                            [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [], daemon_args)
         log = lab_dir / name / "daemon.log"
+        h["argv"] = argv                 # for a restart (churn.py)
         proc = netns.spawn(h["ns"], argv, env=_child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}), log=log)
         _record(lab_dir, state, f"daemon:{name}", proc.pid)
         started.append((name, proc, data_dir / "peerd.sock", log))

@@ -44,9 +44,10 @@ class ControlService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"peerd: trainer of run {request.run_id!r}, daemon runs {self.d.cfg.run_id!r}")
         try:
-            return await run.attach(request)
+            reply = await run.attach(request)
         except (LayoutMismatch, ValueError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: refused attach: {e}")
+        return await run.join_swarm(reply)   # a host joining a running swarm starts from it
 
     async def Publish(self, request: cpb.PublishRequest, context) -> cpb.PublishReply:
         from peerd.node.training import RunError

@@ -276,13 +276,25 @@ class Daemon:
                     f"(incarnation {existing.incarnation}); two daemons share a node id (copied data dir?)")
         return None
 
+    def _restarted(self, node_id: str, incarnation: int | None) -> None:
+        """A peer back as a new incarnation before the failure detector saw it gone: to a training
+        run that is a crash and a return (its state there starts over)."""
+        m = self.membership.get(node_id)
+        if (self.training is not None and m is not None and incarnation is not None
+                and incarnation > m.incarnation and m.state in (State.ALIVE, State.SUSPECT)):
+            log.info("peer %s restarted (incarnation %d -> %d)", node_id, m.incarnation, incarnation)
+            self.training.peer_down(node_id)
+            self.training.peer_up(node_id)
+
     def on_admit(self, node_id: str, address: str, run_id: str, incarnation: int, caps: dict, how: str) -> None:
+        self._restarted(node_id, incarnation)
         tr = self.membership.admit(node_id, address, run_id, incarnation, caps, time.monotonic())
         self._log_transition(tr, how)
 
     def on_heartbeat(self, node_id: str, incarnation: int, address: str | None, rows: list[dict]) -> None:
         now = time.monotonic()
         if self.membership.get(node_id) is not None:
+            self._restarted(node_id, incarnation)
             self._log_transition(self.membership.heard_from(node_id, now, incarnation), "heartbeat")
         elif address:
             # We do not know it (we restarted, or forgot it): greet it before trusting it.
@@ -382,6 +394,7 @@ class Daemon:
             self.membership.contact_failed(m.node_id, now)
             self.membership.add_candidate(m.address, "heartbeat", now)
             return
+        self._restarted(m.node_id, reply.incarnation)
         self._log_transition(self.membership.heard_from(m.node_id, now, reply.incarnation, now - sent),
                              "heartbeat answered")
         self.membership.merge_gossip(rows_from_pb(reply.peers), now)

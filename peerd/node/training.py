@@ -18,7 +18,11 @@ Readings chosen here (the policy docstrings cover the algorithms):
 - AD-PSGD's passive `Average` (replace my working parameters now) is applied at this worker's next
   Mix, on top of the mix result: the trainer owns its working parameters between Publish and Mix.
 - Peers that the failure detector marks dead (or that leave) become PeerDown for the policy, so no
-  policy waits on a dead peer; they come back as PeerUp.
+  policy waits on a dead peer. A peer that comes back is PeerUp only once its run is back too (its
+  first update or pull for this run reaches us, tagged with its iteration): a host whose daemon is
+  up but whose trainer is still starting is not waited on.
+  Our newest update is pushed to a returning peer (outside the policy), so that two sides of a
+  healed partition, each holding the other dead, re-admit each other.
 - A live daemon whose trainer does not contribute is "absent" to its neighbours, also PeerDown:
   its daemon announces a crashed trainer (ABSENT) and a finished one (FINISHED) at once, through
   the same ordered queue as its updates (so the notice never overtakes its last update). Without
@@ -38,6 +42,13 @@ Readings chosen here (the policy docstrings cover the algorithms):
 - Metrics ride on MixRequest (no RPC per iteration); ReportMetrics stays for the last ones.
 - A finished run drains (serves pulls and queued pushes with its final parameters) only until
   every other host of the run has finished or is gone, at most `train_drain_timeout`.
+- Joining a running swarm (a restarted daemon; same spec and world, hence same run tag): at attach,
+  before the trainer's first publish, the daemon pulls a live neighbour's current parameters (the
+  data plane: chunked, checksummed; answered from the neighbour's published snapshot, never behind
+  its mixing). When they are more than `train_join_min_lead` iterations ahead of this host's own
+  checkpoint (same run, kept in the data dir), the trainer starts from them at the neighbour's
+  iteration; otherwise it resumes from its own checkpoint. Either way the reason is logged and
+  shown in the progress message.
 """
 from __future__ import annotations
 
@@ -204,7 +215,6 @@ class TrainingRun:
         self._pool: list[torch.Tensor] = []
         self._tasks: set[asyncio.Task] = set()
         self._last_iter_t: float | None = None
-        self.checkpoint_dir = daemon.data.path / "checkpoints" / f"{daemon.cfg.run_id}-{self.session}"
         self.absent: dict[int, str] = {}       # neighbours not contributing: "restarting", "finished", "silent"
         self.resync: dict[int, int] = {}       # after a restart: neighbours' iterations, applied at publish
         self._silent_timer: asyncio.TimerHandle | None = None
@@ -216,6 +226,9 @@ class TrainingRun:
         self.notices_pending = 0               # our notices queued or in flight (a drain waits for them)
         self.paused = False
         self.stop_requested = False
+        self.checkpoint_dir = self._checkpoint_dir()
+        self.returning: set[str] = set()   # peers back in membership, not yet back in this run
+        self.join_note = ""
         self.replanner: Replanner | None = None     # set for `--algo auto`
 
     def kind(self, base: str) -> str:
@@ -279,10 +292,13 @@ class TrainingRun:
             self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
+        # Not yet: the peer's daemon is back, its run may not be (see the module docstring). Our
+        # newest update goes to it at once: after a healed partition each side holds the other
+        # dead and sends it nothing, so this greeting is what re-admits us there (and it there).
         if node_id in self.nodes and node_id != self.d.node_id:
-            src = self.nodes.index(node_id)
-            if src not in self.absent:       # an absent peer comes back with its next update
-                self.feed(ev.PeerUp(src, max(self.progress.newest_seen, 0)))
+            self.returning.add(node_id)
+            if self.live_k >= 0:
+                self._send(ev.Send(self.nodes.index(node_id), self.live_k))
 
     def _set_absent(self, src: int, why: str) -> None:
         if src == self.rank or self.absent.get(src) == why:
@@ -298,7 +314,9 @@ class TrainingRun:
             del self.absent[src]
             log.info("neighbour %s contributes again from iteration %d", self.nodes[src], k)
             member = self.d.membership.get(self.nodes[src])
-            if member is not None and member.state.value in ("alive", "suspect"):
+            # A peer also back in membership is re-admitted once, by _back_in_run.
+            if (member is not None and member.state.value in ("alive", "suspect")
+                    and self.nodes[src] not in self.returning):
                 self.feed(ev.PeerUp(src, k))
 
     def on_notice(self, sender: str, state: int, k: int) -> int:
@@ -385,6 +403,13 @@ class TrainingRun:
             (m := self.d.membership.get(self.nodes[i])) is None or m.state.value not in ("alive", "suspect")
             for i in others)
 
+    def _back_in_run(self, node_id: str, k: int) -> None:
+        """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
+        if node_id in self.returning:
+            self.returning.discard(node_id)
+            log.info("peer %s is back in the run at iteration %d", node_id, k)
+            self.feed(ev.PeerUp(self.nodes.index(node_id), max(k, 0)))
+
     # --- data arriving from peers -------------------------------------------------------------
     def on_received(self, rec: Received) -> None:
         src = self.nodes.index(rec.sender) if rec.sender in self.nodes else -1
@@ -412,6 +437,7 @@ class TrainingRun:
             rec.release()
             return
         self.progress.newest_seen = max(self.progress.newest_seen, rec.iteration)
+        self._back_in_run(rec.sender, rec.iteration)
         old = self.received.pop((src, rec.iteration), None)
         if old is not None:
             old.release()  # a duplicate: keep the newest copy
@@ -430,13 +456,16 @@ class TrainingRun:
         if requester not in self.nodes or self.layout is None:
             return None
         src = self.nodes.index(requester)
+        self._back_in_run(requester, self.policy.k)
         actions = self.policy.on_event(ev.PullRequested(src), time.monotonic())
         answer = next((a for a in actions if isinstance(a, ev.Send) and a.dst == src), None)
         self.apply_all([a for a in actions if a is not answer])
         if answer is None:
+            log.debug("pull from %s: the policy answers nothing (%s)", requester, actions)
             return None
         buf = self._buffer_for(answer.k, answer.live)
         if buf is None:
+            log.debug("pull from %s: iteration %d no longer held", requester, answer.k)
             return None
         return Snapshot(answer.k if answer.k >= 0 else self.live_k, Outgoing.from_buffer(buf, self.wire))
 
@@ -521,6 +550,72 @@ class TrainingRun:
                     raise
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
+
+    # --- joining a running swarm -------------------------------------------------------------
+    def _checkpoint_dir(self) -> Path:
+        """This run's checkpoint directory: an unfinished one of the same run (same tag) left in the
+        data dir by an earlier daemon of this host, else a new one."""
+        root = self.d.data.path / "checkpoints"
+        for old in sorted(root.glob(f"{self.d.cfg.run_id}-*"), key=lambda p: p.stat().st_mtime, reverse=True):
+            if (old / "run-tag").is_file() and (old / "run-tag").read_text().strip() == self.tag:
+                if 0 <= checkpoint_iteration(old) < self.spec.iterations:
+                    return old
+        new = root / f"{self.d.cfg.run_id}-{self.session}"
+        new.mkdir(parents=True, exist_ok=True)
+        (new / "run-tag").write_text(self.tag + "\n")
+        return new
+
+    async def join_swarm(self, reply: cpb.AttachReply) -> cpb.AttachReply:
+        """At the first attach: start from a live neighbour's parameters when the swarm is ahead of
+        what this host holds (see the module docstring). A calm start costs one pull answered
+        NOT_FOUND or near iteration 0."""
+        if self.policy.k >= 0 or self.join_note:
+            return reply                     # a restarted trainer of a run already under way here
+        cfg = self.d.cfg
+        own = checkpoint_iteration(self.checkpoint_dir)
+        for node in self._join_candidates():
+            member = self.d.membership.get(node)
+            if member is None:
+                continue
+            try:
+                rec = await asyncio.wait_for(self.d.pull_tensor(member.address, node, kind=self.kind("model")),
+                                             cfg.train_join_pull_timeout)
+            except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                log.info("join: no parameters from %s (%s)", node, getattr(e, "code", type(e).__name__))
+                continue
+            try:
+                k = rec.iteration
+                if k <= max(own, 0) + cfg.train_join_min_lead:
+                    if own < 0:
+                        return reply         # a calm start: everyone is at the beginning
+                    note = (f"resumed from own checkpoint of iteration {own}: {node} is at {k}, "
+                            f"not more than {cfg.train_join_min_lead} ahead")
+                elif rec.nbytes != self.layout.total_bytes or not all(
+                        all_finite(t) for t in self.layout.typed(rec.buffer)):
+                    log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
+                    continue
+                else:
+                    self.slots[0].copy_(rec.buffer)
+                    reply.start_iteration, reply.start_from_slot = k, True
+                    note = (f"started from {node}'s parameters of iteration {k}: "
+                            + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
+            finally:
+                rec.release()
+            break
+        else:
+            return reply                     # nobody has parameters yet: a calm start
+        self.join_note = reply.join_note = note
+        self.progress.message = note
+        log.info("join: %s", note)
+        self.changed.set()
+        return reply
+
+    def _join_candidates(self) -> list[str]:
+        """Live run members, nearest rank first (a ring neighbour is freshest)."""
+        live = [m for m in self.nodes if m != self.d.node_id and (mem := self.d.membership.get(m)) is not None
+                and mem.state.value == "alive"]
+        return sorted(live, key=lambda m: min((self.nodes.index(m) - self.rank) % self.n,
+                                              (self.rank - self.nodes.index(m)) % self.n))
 
     # --- the trainer's side -------------------------------------------------------------------
     async def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
@@ -854,6 +949,18 @@ class TrainingRun:
                 "policy": self.policy.state(), "held_updates": len(self.received),
                 "absent": {self.nodes[i]: why for i, why in self.absent.items()},
                 "dropped_nonfinite": self.dropped_nonfinite}
+
+
+def checkpoint_iteration(directory: Path) -> int:
+    """The iteration of the checkpoint in `directory` (-1: none or unreadable)."""
+    path = directory / "latest.pt"
+    if not path.is_file():
+        return -1
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint is as good as none
+        log.warning("checkpoint %s unreadable (%s); ignored", path, e)
+        return -1
 
 
 def form_world(daemon: "Daemon", world: int) -> list[str] | None:

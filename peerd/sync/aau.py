@@ -18,8 +18,10 @@ Reading choice: the paper's Pathsearch rules are not retrievable, so we implemen
   simulator tags them with its global view; the daemon tags them from the gossiped link matrix.
   Before any estimate, all costs are 1 (tree by ids). `late` counts estimates that arrived after
   their effective iteration (those rounds may mix two trees).
-- Crash: PeerDown removes the peer; the tree is recomputed over the live workers (the others get the
-  same PeerDown). No deadlock: sends never wait, and each worker waits only on tree neighbours that
+- Crash: PeerDown removes the peer; the graph is repaired around it (`topology.repair`: a ring
+  re-links around the hole) and the tree is recomputed over the live workers (the others get the
+  same PeerDown). A new neighbour gets my newest update at once; a tree neighbour that is past k
+  without having sent k to me (it was not my neighbour then) is represented by its next update. No deadlock: sends never wait, and each worker waits only on tree neighbours that
   are alive, which all publish every iteration.
 - Held updates: per neighbour, the iterations beyond the last mix plus the newest one at or below it;
   bounded by the tree's diameter + 2 (tree neighbours are within one iteration of each other).
@@ -30,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, Published,
+from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp, Published,
                                Send, Tick, UpdateArrived, Wait)
 from peerd.sync.policy import Policy
+from peerd.sync import topology
 from peerd.sync.topology import Topology, renormalise
 
 
@@ -74,6 +77,7 @@ class AAU(Policy):
             raise ValueError("topology: AAU needs a static undirected graph")
         if staleness < 0:
             raise ValueError(f"staleness: must be >= 0, got {staleness}")
+        self.base = topo                 # the configured graph; self.topo is it repaired
         self.topo, self.staleness = topo, staleness
         self.adj = topo.adjacency()
         self.nb = list(topo.in_neighbors(me))
@@ -131,7 +135,24 @@ class AAU(Policy):
 
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         out: list[Action] = [Drop(ev.peer, x) for x in sorted(self.held.pop(ev.peer, ()))]
+        return out + self._retopo() + self._try(now)
+
+    def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
+        out = self._retopo()
+        if self.k >= 0 and ev.peer in self.nb and not any(isinstance(a, Send) and a.dst == ev.peer for a in out):
+            out.append(Send(ev.peer, self.k))
         return out + self._try(now)
+
+    def _retopo(self) -> list[Action]:
+        """Repair the graph for the current dead set; new neighbours get my newest update."""
+        old = set(self.nb)
+        self.topo = topology.repair(self.base, self.dead)
+        self.adj = self.topo.adjacency()
+        self.nb = list(self.topo.in_neighbors(self.me))
+        out: list[Action] = [Send(j, self.k) for j in self.nb if j not in old and self.k >= 0]
+        for j in [j for j in self.held if j not in self.nb]:
+            out.extend(Drop(j, x) for x in sorted(self.held.pop(j)))
+        return out
 
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return self._try(now)
@@ -144,12 +165,20 @@ class AAU(Policy):
         if k < 0 or k != self.k or self.mixed >= k:
             return []
         wait = self.waited(k)
-        missing = [j for j in wait if k not in self.held.get(j, ())]
+        used, missing = [], []
+        for j in wait:
+            h = self.held.get(j, ())
+            later = [x for x in h if x > k]
+            if k in h:
+                used.append((j, k))
+            elif later:                  # past k without sending it to me: its next update stands in
+                used.append((j, min(later)))
+            else:
+                missing.append(j)
         if missing:
             self._wait("tree neighbours", missing, now)
             return [Wait(f"tree neighbours {missing} at iteration {k}")]
         self._unwait()
-        used = [(j, k) for j in wait]
         for j in self.nb:
             if j in self.dead or j in wait:
                 continue

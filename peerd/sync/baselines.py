@@ -25,7 +25,7 @@ from peerd.sync.events import (CURRENT, Action, Average, Drop, Mix, MixRequested
                                Pull, PullRequested, Send, UpdateArrived, Wait)
 from peerd.sync.hop import Hop
 from peerd.sync.policy import Policy
-from peerd.sync.topology import OnePeerExp, Topology
+from peerd.sync.topology import OnePeerExp, Topology, repair
 
 
 class DPSGD(Hop):
@@ -62,7 +62,9 @@ class ADPSGD(Policy):
         self.want = -1
 
     def _pick(self, k: int) -> list[Action]:
-        live = [j for j in self.partners if j not in self.dead]
+        # The graph repaired around the dead (topology.repair), still active -> passive only.
+        live = [j for j in repair(self.topo, self.dead).out_neighbors(self.me)
+                if (j % 2 == 0) != self.active and j not in self.dead]
         if not live:
             self.pulling = None
             return []

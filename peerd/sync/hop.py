@@ -35,6 +35,13 @@ Reading choices (the paper's details are reconstructed, see research/papers.md 1
   the live in-neighbours only) and from the token check; its held updates are dropped. Without a
   PeerDown the tokens stop neighbours max_ig iterations past a silent peer, by design.
 - PeerUp(p, k_p) re-admits p with its token counter reset as if p had granted up to k_p.
+- Repair: on PeerDown/PeerUp the graph becomes `topology.repair(base, dead)` (a ring re-links around
+  the hole). An out-edge that appears gets my newest published update at once and a fresh token
+  counter (as if the new neighbour were at my iteration); an in-edge that disappears has its held
+  updates dropped. A new in-neighbour may be past k without ever having sent k to me (it was not my
+  neighbour then), so in every mode a neighbour whose newest tag is beyond k is represented by its
+  next update held (standard mode included; with a fixed graph FIFO links make this case
+  impossible, so it changes nothing there).
 - The gap bound holds for the sender ahead of the receiver; on undirected graphs (every topology
   here but directed link matrices) it therefore bounds |gap| on every edge.
 - Queues: held updates per in-edge are bounded: standard/backup keep iterations in (last mixed,
@@ -47,6 +54,7 @@ from typing import Any
 from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown, PeerUp, Published,
                                Send, Skip, Tick, TokensArrived, UpdateArrived, Wait)
 from peerd.sync.policy import Policy
+from peerd.sync import topology
 from peerd.sync.topology import Topology, renormalise
 
 
@@ -68,6 +76,7 @@ class Hop(Policy):
             raise ValueError(f"max_skip: must be >= 1, got {max_skip}")
         if (max_ig is not None or skip) and topo.period != 1:
             raise ValueError("max_ig/skip: token queues and skipping need a static topology")
+        self.base = topo                       # the configured graph; self.topo is it repaired
         self.topo = topo
         self.max_ig = max_ig
         self.backup = backup
@@ -81,6 +90,7 @@ class Hop(Policy):
         self.want = -1                           # iteration whose mix was requested, not yet given
         self.mixed = -1                          # last iteration mixed
         self.skipped = 0
+        self.rewired: set[int] = set()           # out-edges created by a repair (fresh counters)
 
     # --- helpers ----------------------------------------------------------------------------
     def mode(self) -> str:
@@ -95,7 +105,12 @@ class Hop(Policy):
         return [j for j in self.topo.out_neighbors(self.me, k) if j not in self.dead]
 
     def tokens(self, j: int) -> int:
-        return self.max_ig + self.granted.get(j, 0) - self.spent.get(j, 0)  # type: ignore[operator]
+        by_grant = self.max_ig + self.granted.get(j, 0) - self.spent.get(j, 0)  # type: ignore[operator]
+        # j's newest tag is an iteration j has reached: a lower bound that never overstates its
+        # progress. It matters on an edge repaired mid-run, whose fresh counter cannot know how
+        # far ahead j already was (without it: j waits for my update, I wait for j's token).
+        s = self.seen.get(j) if j in self.rewired else None
+        return by_grant if s is None else max(by_grant, self.max_ig + s - self.k)  # type: ignore[operator]
 
     def _newest(self, j: int) -> int:
         h = self.held.get(j)
@@ -147,13 +162,40 @@ class Hop(Policy):
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         out: list[Action] = []
         self._drop(ev.peer, sorted(self.held.get(ev.peer, ())), out)
-        return out + self._try(now)
+        return out + self._retopo() + self._try(now)
 
     def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
+        out = self._retopo()
         # Reset the edge as if the peer had granted up to its iteration.
         self.granted[ev.peer] = ev.k
         self.spent[ev.peer] = max(self.k, 0)
-        return self._try(now)
+        self.seen.pop(ev.peer, None)  # a restarted peer's tags start again
+        if self.k >= 0 and ev.peer in self.live_out(self.k) and not any(
+                isinstance(a, Send) and a.dst == ev.peer for a in out):
+            out.append(Send(ev.peer, self.k))
+        return out + self._try(now)
+
+    def _retopo(self) -> list[Action]:
+        """Repair the graph for the current dead set (see the module docstring)."""
+        old = self.topo
+        k = max(self.k, 0)
+        self.topo = topology.repair(self.base, self.dead)
+        if self.topo is old:
+            return []
+        out: list[Action] = []
+        before = set(old.out_neighbors(self.me, k))
+        for j in self.live_out(k):
+            if j not in before:
+                self.rewired.add(j)
+                self.granted[j] = self.spent[j] = max(self.k, 0)
+                if self.k >= 0:
+                    out.append(Send(j, self.k))
+        self.rewired &= set(self.topo.out_neighbors(self.me, k)) - set(self.base.out_neighbors(self.me, k))
+        ins = set(self.topo.in_neighbors(self.me, k))
+        for j in list(self.held):
+            if j not in ins:
+                self._drop(j, sorted(self.held[j]), out)
+        return out
 
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return self._try(now)
@@ -168,8 +210,9 @@ class Hop(Policy):
                 h = self.held.get(j, ())
                 if k in h:
                     got.append((j, k))
-                elif self.backup and self.seen.get(j, -1) > k:
-                    # j went past k without sending it (it skipped): its next update stands in.
+                elif self.seen.get(j, -1) > k:
+                    # j went past k without sending it to me (it skipped, or was not my neighbour
+                    # then): its next update stands in.
                     later = [x for x in h if x > k]
                     if later:
                         got.append((j, min(later)))

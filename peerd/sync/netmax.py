@@ -41,6 +41,7 @@ import numpy as np
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp,
                                Published, Pull, UpdateArrived, Wait)
 from peerd.sync.policy import Policy
+from peerd.sync import topology
 from peerd.sync.topology import Topology
 
 PROBS = ("opt", "uniform", "inv", "invsqrt")
@@ -220,13 +221,11 @@ class NetMax(Policy):
         self.want = -1
 
     def _live_adj(self) -> np.ndarray:
+        """The graph repaired around the dead (a ring re-links around the hole; dead rows empty)."""
         if not self.dead:
             return self.adj
-        a = self.adj.copy()
-        for d in self.dead:
-            a[d, :] = False
-            a[:, d] = False
-        return a
+        return topology.repair(self.topo if isinstance(self.topo, topology.Graph) else topology.Graph(self.adj),
+                               self.dead).adjacency()
 
     def _resolve(self) -> None:
         a = self._live_adj()

@@ -12,6 +12,13 @@ Weights:
 `renormalise(row, used)` restricts a row to the entries actually mixed and rescales it to sum 1 (what
 backup workers, staleness and crashes need).
 
+Repair (`repair(topo, dead)`): a static graph with dead workers is contracted around them: live u
+sends to live v when the original graph has a path u -> ... -> v whose inner workers are all dead.
+A ring thus re-links around the hole (the live ring), a torus around a dead cell; nothing changes
+for a complete graph. Weights are recomputed (same weighting) on the repaired graph. Every worker
+with the same dead set derives the same graph. Time-varying group topologies are returned as they
+are: a round whose partner is dead is a self step, and the next round pairs differently.
+
 Choice: the undirected one-peer exponential graph pairs j with j XOR 2^q in round q (a perfect
 matching, n a power of two) so each pairwise average is exact and the mean is preserved; the
 directed one-peer exponential graph (SGP) sends i -> i + 2^q mod n.
@@ -218,6 +225,38 @@ def renormalise(row: dict[int, float], used: list[int] | tuple[int, ...] | set[i
     if total <= 0:
         raise ValueError(f"used: entries {sorted(used)} carry no weight in row {row}")
     return {j: w / total for j, w in sub.items()}
+
+
+def repair(topo: Topology, dead: set[int] | frozenset[int]) -> Topology:
+    """The graph the live workers use while `dead` are down (see the module docstring); cached per
+    dead set on the base topology, so N policies in one process share one repaired graph."""
+    if not dead or not isinstance(topo, Graph):
+        return topo
+    key = frozenset(dead)
+    cache = topo.__dict__.setdefault("_repaired", {})
+    got = cache.get(key)
+    if got is None:
+        a = topo.adj
+        out = np.zeros_like(a)
+        for u in range(topo.n):
+            if u in key:
+                continue
+            seen, stack = {u}, [u]
+            while stack:  # walk through dead workers only; stop at the first live one
+                x = stack.pop()
+                for v in np.flatnonzero(a[x]):
+                    v = int(v)
+                    if v in seen:
+                        continue
+                    seen.add(v)
+                    if v in key:
+                        stack.append(v)
+                    else:
+                        out[u, v] = True
+        if len(cache) > 64:
+            cache.clear()
+        got = cache[key] = Graph(out, topo.weighting)
+    return got
 
 
 def make(name: str, n: int, weighting: str = "uniform", per_node: int = 1,

@@ -56,6 +56,9 @@ class DaemonExchange:
         self._publishing = None                  # the Publish call in flight (its reply is read at mix)
         self._stream = None
 
+        self.initial: torch.Tensor | None = None
+        self.join_note = ""
+
     def attach(self, layout: Layout) -> int:
         req = cpb.AttachRequest(layout=[cpb.LayoutEntry(name=n, dtype=d, shape=s) for n, d, s in layout.specs()],
                                 total_bytes=layout.total_bytes, pid=os.getpid(),
@@ -72,6 +75,10 @@ class DaemonExchange:
         self._stream = self._stub.Directives(cpb.DirectivesRequest(session_id=self.session))
         threading.Thread(target=self._read_directives, args=(self._stream,), name="peerd-directives",
                          daemon=True).start()
+
+        # Joining a running swarm: the neighbours' current parameters, to start from.
+        self.initial = self._slots[0].clone() if reply.start_from_slot else None
+        self.join_note = reply.join_note
         return reply.start_iteration
 
     def _read_directives(self, stream) -> None:

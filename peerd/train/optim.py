@@ -96,6 +96,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.layout = self.flat.layout
         self.exchange = exchange
         self.iteration = exchange.attach(self.layout)
+        initial = getattr(exchange, "initial", None)
+        if initial is not None:       # joining a running swarm: start from the neighbours' parameters
+            self.flat.buffer.copy_(initial)
         self.local_steps = 0
         self.skip_nonfinite = skip_nonfinite
         self.stats = dict(steps=0, late_publishes=0, nonfinite_grads=0, nonfinite_mix=0, dropped=0,

@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(ckpt["optimizer"])
         opt.iteration = max(opt.iteration, start)
         log.info("resumed from the checkpoint of iteration %d, continuing at %d", ckpt["iteration"], opt.iteration)
+    if getattr(exchange, "join_note", ""):
+        log.info("joined a running swarm: %s", exchange.join_note)
     rank, world = exchange.rank, exchange.world
     batches = task.batches(task.shard(rank, world, args.non_iid, args.seed), batch_size, args.seed)
     end = args.iterations
