@@ -75,7 +75,6 @@ class DaemonExchange:
         self._stream = self._stub.Directives(cpb.DirectivesRequest(session_id=self.session))
         threading.Thread(target=self._read_directives, args=(self._stream,), name="peerd-directives",
                          daemon=True).start()
-
         # Joining a running swarm: the neighbours' current parameters, to start from.
         self.initial = self._slots[0].clone() if reply.start_from_slot else None
         self.join_note = reply.join_note
