@@ -64,3 +64,38 @@ def daemons(tmp_path: Path):
     yield make
     for d in made:
         d.stop()
+
+
+def control_status(d, timeout: float = 5.0) -> dict | None:
+    """`peerd status --json` of `d`, asked in-process over its control socket: a loaded machine
+    takes seconds just to start the CLI (it imports torch), this takes milliseconds."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from peerd.v1 import control_pb2, control_pb2_grpc
+
+    sock = d.data_dir / "peerd.sock"
+    if not sock.exists():
+        return None
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        try:
+            reply = control_pb2_grpc.ControlStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def start_ready(d, timeout: float = 90.0):
+    """Start `d` (if not yet) and wait, in-process, until its control socket answers."""
+    if d.proc is None:
+        d.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited {d.proc.returncode}:\n{d.read_log()}")
+        st = control_status(d)
+        if st:
+            d.address, d.node_id = st["address"], st["node_id"]
+            return d
+        time.sleep(0.1)
+    raise RuntimeError(f"daemon not ready within {timeout}s:\n{d.read_log()}")

@@ -26,6 +26,25 @@ from peerd.train.tasks import get_task
 log = logging.getLogger("peerd.trainer")
 
 
+class _Writes:
+    """A file for torch.save that keeps the OSError of a failed write (ENOSPC, EIO): torch's zip
+    writer replaces it with a RuntimeError that does not say what happened."""
+
+    def __init__(self, fh) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def save_checkpoint(directory: Path, iteration: int, model: torch.nn.Module, opt: DecentralizedOptimizer) -> Path:
     """Write to a temporary file, fsync, rename: a crash or a full disk keeps the previous one."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -33,22 +52,39 @@ def save_checkpoint(directory: Path, iteration: int, model: torch.nn.Module, opt
     tmp = directory / f".latest.pt.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as fh:
-            torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": opt.state_dict()}, fh)
+            out = _Writes(fh)
+            try:
+                torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": opt.state_dict()},
+                           out)
+            except RuntimeError:
+                if out.error is not None:  # torch reports a failed write as "unexpected pos"
+                    raise out.error from None
+                raise
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        log.error("checkpoint at iteration %d FAILED (%s); the previous checkpoint is kept", iteration, e)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next try needs
+        if isinstance(e, OSError):
+            log.error("CHECKPOINT FAILED at iteration %d (%s); the previous checkpoint is kept", iteration, e)
         raise
     return path
 
 
 def load_checkpoint(directory: Path) -> dict | None:
+    for stale in directory.glob(".latest.pt.tmp*"):   # a write cut short by a kill or a full disk
+        stale.unlink(missing_ok=True)
     path = directory / "latest.pt"
     if not path.exists():
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _terminated(*_: object) -> None:
+    """SIGTERM from the daemon: leave now. Checkpoints are atomic, so nothing is torn; skipping
+    the interpreter's teardown (torch, gRPC) keeps a stop within its bound on a loaded host."""
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accum-iter", type=int)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer: %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _terminated)
     torch.set_num_threads(1)
 
     task = get_task(args.task)
@@ -98,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("rank %d of %d, task %s, optimizer %s, from iteration %d to %d, slowdown %.1fx",
              rank, world, args.task, inner, opt.iteration, end, slowdown)
     last_eval = opt.iteration
+    failed_checkpoints = 0
     while opt.iteration < end:
         t0 = time.perf_counter()
         opt.zero_grad()                      # publishes x_k: the exchange overlaps forward/backward
@@ -111,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
             last_eval = opt.iteration
             extra = {("accuracy" if k == "accuracy" else f"eval_{k}"): v for k, v in task.evaluate(model).items()}
-        exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
         if args.checkpoint_every and opt.iteration % args.checkpoint_every == 0 or opt.iteration >= end:
-            save_checkpoint(ckpt_dir, opt.iteration, model, opt)
+            try:
+                save_checkpoint(ckpt_dir, opt.iteration, model, opt)
+            except OSError:
+                failed_checkpoints += 1  # logged; training goes on, the daemon hears the count
+        if failed_checkpoints:
+            extra["checkpoint_failures"] = failed_checkpoints
+        exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
     exchange.close()
     return 0
 
