@@ -348,3 +348,21 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one_and_training_goes_on
                 os.killpg(p.pid, 9)
                 p.wait(timeout=10)
         subprocess.run(["umount", "-l", str(mnt)], timeout=20)
+
+
+# --- the README's failure model names real bounds ------------------------------------------------
+
+def test_readme_failure_model_names_config_fields_with_their_defaults():
+    from peerd.config import FIELDS
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Failure model", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`(?: \(([^)]*)\))?", section)
+    assert len(named) >= 20
+    for name, given in named:
+        assert name in FIELDS, f"README failure model names {name!r}, which is not a Config field"
+        plain = re.fullmatch(r"([\d ]+(?:\.\d+)?(?:e\d+)?)(?: s)?", given or "")
+        if plain:
+            assert float(plain.group(1).replace(" ", "")) == float(FIELDS[name].default), (name, given)
+    mine = {"auth_refusal_burst", "auth_refusal_rate", "auth_max_sources", "update_max_abs",
+            "update_max_norm_ratio", "peer_max_offences", "peer_cooldown", "checkpoint_every", "shutdown_timeout"}
+    assert mine <= {n for n, _ in named}
