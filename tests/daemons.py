@@ -19,6 +19,16 @@ class Daemon(LocalDaemon):
     def __init__(self, data_dir: Path, secret_file: Path, seeds=(), extra=()) -> None:
         super().__init__(data_dir, secret_file, seeds, [*FAST, *extra])
 
+    def status(self, timeout: float = 5.0) -> dict | None:
+        """`peerd status --json`, asked in-process (tests of the CLI itself call it explicitly)."""
+        return control_status(self, timeout)
+
+    def wait_ready(self, timeout: float = 90.0) -> dict:
+        """Ready when the control socket answers, asked in-process: on a loaded machine the CLI
+        alone takes longer to start than the daemon."""
+        start_ready(self, timeout)
+        return control_status(self)
+
 
 def peer_states(d: Daemon) -> dict[str, str]:
     return d.peer_states()
