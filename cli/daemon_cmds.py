@@ -69,10 +69,16 @@ def up(config_file: str | None, **flags) -> None:
         cfg = config_mod.load(config_file, overrides=flags)
         setup_logging(cfg.log_level)
         secret = load_secret(cfg.secret_file)
-        sys.exit(run_daemon(cfg, secret))
+        code = run_daemon(cfg, secret)
     except (ConfigError, SecretError, StartupError, DataDirError) as e:
         click.echo(f"peerd up: {e}", err=True)
         sys.exit(2)
+    # Everything the daemon owns is stopped, closed and removed by now; the interpreter's own
+    # teardown (gRPC's threads, torch) took seconds on a loaded host, past the 5 s a Ctrl+C gets.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 data_dir_option = click.option("--data-dir", default=None,
@@ -119,10 +125,17 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def _peer_rows(reply) -> list[list[str]]:
     return [[p.node_id, p.address, p.state, f"{p.last_heartbeat_age_s:.1f}s",
-             f"{p.rtt_ms:.2f}" if p.rtt_ms else "-", p.device_kind or "-"] for p in reply.peers]
+             f"{p.rtt_ms:.2f}" if p.rtt_ms else "-", p.device_kind or "-", _bad(p)] for p in reply.peers]
 
 
-PEER_HEADER = ["NODE", "ADDRESS", "STATE", "LAST HEARD", "RTT MS", "DEVICE"]
+def _bad(p) -> str:
+    """Bad updates of a peer, and FLAGGED while its updates are ignored."""
+    if p.flagged_for_s > 0:
+        return f"{p.bad_updates} FLAGGED {p.flagged_for_s:.0f}s"
+    return str(p.bad_updates) if p.bad_updates else "-"
+
+
+PEER_HEADER = ["NODE", "ADDRESS", "STATE", "LAST HEARD", "RTT MS", "DEVICE", "BAD UPDATES"]
 
 
 @click.command()
@@ -143,6 +156,9 @@ def status(data_dir: str | None, as_json: bool, timeout: float) -> None:
                f"version   peerd {reply.peerd_version}, protocol {reply.protocol_version}, loop {reply.event_loop}\n"
                f"data dir  {reply.data_dir}\n"
                f"peers     {alive} alive of {len(reply.peers)}")
+    if reply.refused_calls or reply.rate_limited_calls:
+        click.echo(f"refused   {reply.refused_calls} calls without valid credentials, "
+                   f"{reply.rate_limited_calls} more rate-limited")
     if reply.peers:
         click.echo("\n" + _table(_peer_rows(reply), PEER_HEADER))
 

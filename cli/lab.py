@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import click
@@ -65,16 +66,43 @@ def profiles() -> None:
               help="extra argument for every daemon (repeatable), e.g. --daemon-arg=--log-level=debug")
 @_config_opt
 @click.option("--json", "as_json", is_flag=True, help="print the lab's status as JSON")
+@click.option("--foreground", is_flag=True, help="stay in the foreground; Ctrl+C or SIGTERM takes the whole "
+                                                 "lab down (processes, namespaces) before exiting")
 def up(hosts: int | None, profile: str, lab_dir: str | None, no_daemons: bool, no_seeds: bool,
-       daemon_arg: tuple[str, ...], config_file: str | None, as_json: bool) -> None:
-    """Create the hosts, shape their links, start one daemon per host."""
+       daemon_arg: tuple[str, ...], config_file: str | None, as_json: bool, foreground: bool) -> None:
+    """Create the hosts, shape their links, start one daemon per host.
+
+    Interrupted (Ctrl+C, SIGTERM) while it builds, it removes what it made. With --foreground it
+    then waits, and an interrupt takes the lab down; without, `peerd lab down` does."""
     cfg = _cfg(config_file)
+    directory = _dir(cfg, lab_dir)
+    # SIGTERM unwinds like Ctrl+C, through the cleanup of a half-built lab or the foreground wait.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         prof = profile_mod.load(profile, hosts)
-        state = lab_mod.up(prof, _dir(cfg, lab_dir), cfg, daemons=not no_daemons, daemon_args=daemon_arg,
+        state = lab_mod.up(prof, directory, cfg, daemons=not no_daemons, daemon_args=daemon_arg,
                            seeds=not no_seeds)
     except (LabError, profile_mod.ProfileError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("peerd lab up: interrupted; what was made is removed", err=True)
+        _exit_now(130)
+    if foreground:
+        try:
+            _print_status(lab_mod.status(state["dir"]), as_json)
+            click.echo("lab up in the foreground; Ctrl+C takes it down", err=True)
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            # The second signal must not cut the teardown short: ignore both until it is done.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                gone = lab_mod.down(state["dir"], cfg)
+            except LabError as e:
+                raise click.ClickException(str(e)) from None
+            click.echo(f"lab down: removed {len(gone or [])} namespaces", err=True)
+            _exit_now(0)
     _print_status(lab_mod.status(state["dir"]), as_json)
     for link in prof.site_links.values():
         if (link.delay_s or link.loss) and (link.rate_bps or 10**12) > CEILING_HINT_BPS:
@@ -149,6 +177,17 @@ def exec_(lab_dir: str | None, config_file: str | None, host: str, command: tupl
         raise click.ClickException(str(e)) from None
     sys.stdout.flush()
     os.execvp(argv[0], argv)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _exit_now(code: int) -> None:
+    """Everything the lab made is gone; skip the interpreter's teardown (seconds on a loaded host)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _print_status(st: dict, as_json: bool) -> None:

@@ -102,8 +102,13 @@ def train(task, script, algorithm, step_time, model_bytes, topology, world, iter
         if e.code() != grpc.StatusCode.CANCELLED:
             raise click.ClickException(f"{e.code().name}: {e.details()}") from None
     except KeyboardInterrupt:
+        # Closing the stream is what stops the run: the daemon stops the trainer when its caller
+        # leaves. Then exit at once; the interpreter's teardown (gRPC, torch) takes seconds.
+        channel.close()
         click.echo("\nstopping this host's trainer", err=True)
-        sys.exit(130)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     finally:
         channel.close()
     if last is not None and not as_json:

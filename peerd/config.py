@@ -53,6 +53,8 @@ class Config:
     max_peers: int = _f(1024, "most peers kept in the table (gossip beyond this is ignored)")
     leave_timeout: float = _f(1.0, "seconds spent telling peers we leave, at shutdown")
     shutdown_grace: float = _f(1.0, "seconds in-flight RPCs get at shutdown")
+    shutdown_timeout: float = _f(4.0, "bound on the whole shutdown after SIGINT/SIGTERM: what is left then "
+                                      "(trainer, slots, control socket) is killed or removed at once")
 
     # --- authentication ---------------------------------------------------------------------
     auth_max_skew: float = _f(30.0, "largest clock difference accepted on an authenticated RPC, seconds")
@@ -233,6 +235,22 @@ class Config:
     chaos_down_for: float = _f(3.0, "seconds `peerd lab chaos` keeps a killed host down (keep it above "
                                     "dead_after, so neighbours see the host gone)")
     chaos_accuracy_margin: float = _f(0.05, "accuracy a run under `peerd lab chaos` may lose against a calm run")
+
+    # --- hostile and broken input (peerd/net/auth.py, peerd/node/training.py) -------------------
+    auth_refusal_burst: int = _f(50, "refused calls one (address, claimed node) may cost before it is "
+                                     "rate-limited: later calls are refused at once, unverified and unlogged")
+    auth_refusal_rate: float = _f(5.0, "refused calls per second one (address, claimed node) earns back")
+    auth_max_sources: int = _f(4096, "most (address, claimed node) rate-limit entries and log entries kept; "
+                                     "the least recently refused is forgotten first")
+    update_max_abs: float = _f(1e6, "largest |value| accepted in a peer's parameters (0: no bound); "
+                                    "larger updates are dropped and counted against the peer")
+    update_max_norm_ratio: float = _f(100.0, "largest ratio of a peer's parameter norm to our own accepted "
+                                             "(0: no bound); larger updates are dropped and counted")
+    peer_max_offences: int = _f(5, "bad updates (NaN/Inf, too large, wrong layout) from one peer before it "
+                                   "is flagged and its updates ignored for peer_cooldown")
+    peer_cooldown: float = _f(30.0, "seconds a flagged peer's updates are ignored before it is re-admitted")
+    checkpoint_every: int = _f(25, "iterations between trainer checkpoints (a failed write keeps the "
+                                   "previous checkpoint and training goes on)")
 
     @property
     def data_path(self) -> Path:

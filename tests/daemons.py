@@ -19,6 +19,16 @@ class Daemon(LocalDaemon):
     def __init__(self, data_dir: Path, secret_file: Path, seeds=(), extra=()) -> None:
         super().__init__(data_dir, secret_file, seeds, [*FAST, *extra])
 
+    def status(self, timeout: float = 5.0) -> dict | None:
+        """`peerd status --json`, asked in-process (tests of the CLI itself call it explicitly)."""
+        return control_status(self, timeout)
+
+    def wait_ready(self, timeout: float = 90.0) -> dict:
+        """Ready when the control socket answers, asked in-process: on a loaded machine the CLI
+        alone takes longer to start than the daemon."""
+        start_ready(self, timeout)
+        return control_status(self)
+
 
 def peer_states(d: Daemon) -> dict[str, str]:
     return d.peer_states()
@@ -64,3 +74,38 @@ def daemons(tmp_path: Path):
     yield make
     for d in made:
         d.stop()
+
+
+def control_status(d, timeout: float = 5.0) -> dict | None:
+    """`peerd status --json` of `d`, asked in-process over its control socket: a loaded machine
+    takes seconds just to start the CLI (it imports torch), this takes milliseconds."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from peerd.v1 import control_pb2, control_pb2_grpc
+
+    sock = d.data_dir / "peerd.sock"
+    if not sock.exists():
+        return None
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        try:
+            reply = control_pb2_grpc.ControlStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def start_ready(d, timeout: float = 90.0):
+    """Start `d` (if not yet) and wait, in-process, until its control socket answers."""
+    if d.proc is None:
+        d.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited {d.proc.returncode}:\n{d.read_log()}")
+        st = control_status(d)
+        if st:
+            d.address, d.node_id = st["address"], st["node_id"]
+            return d
+        time.sleep(0.1)
+    raise RuntimeError(f"daemon not ready within {timeout}s:\n{d.read_log()}")

@@ -64,7 +64,8 @@ def test_status_json_is_parseable_and_complete(daemons):
     d1 = daemons("s1")
     d2 = daemons("s2", seeds=[d1.address])
     wait_for(lambda: peer_states(d1).get(d2.node_id) == "alive", 10, "peering")
-    st = d1.status()
+    # status answers in milliseconds now: give d1 its first heartbeat round trip to d2
+    st = wait_for(lambda: (lambda s: s if s["peers"][0]["rtt_ms"] > 0 else None)(d1.status()), 10, "an RTT")
     assert st["node_id"] == d1.node_id
     assert st["address"] == d1.address
     assert st["uptime_s"] > 0

@@ -65,6 +65,10 @@ KINDS = frozenset({"model", "probe", "state", "carry"})
 # kinds whose receive buffers are freed, not pooled: link probes come in ever different sizes,
 # and the exact-size pool would fill with them up to dataplane_pool_bytes
 UNPOOLED_KINDS = frozenset({"probe"})
+# refusals that are the sending peer's fault, not the network's: reported to on_offence
+OFFENCES = frozenset({"layout_mismatch"})
+# refusals counted but not logged one by one (a flagged peer's every update)
+QUIET_REASONS = frozenset({"screened"})
 CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
 CHECKSUMS = frozenset({"crc32", "none"})
 
@@ -299,6 +303,10 @@ class DataPlane:
         self._ids = itertools.count((int.from_bytes(os.urandom(4), "big") << 20) + 1)
         self.counters: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
+        # screen(peer, kind) -> a reason to refuse a transfer at its header (e.g. a flagged peer),
+        # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
+        self.screen: Callable[[str, str], str | None] | None = None
+        self.on_offence: Callable[[str, str], None] | None = None
         # checksums run beside the event loop: zlib releases the GIL, chunks combine by length
         self.crc_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="peerd-crc")
 
@@ -367,7 +375,11 @@ class DataPlane:
 
     def _refuse(self, err: TransferError, peer: str, what: str) -> None:
         self.rejected[err.reason] += 1
+        if err.reason in QUIET_REASONS:
+            return  # counted; the screen's owner logs the flag once
         log.warning("%s from %s refused: %s", what, peer or "<unauthenticated>", err)
+        if err.reason in OFFENCES and peer and self.on_offence is not None:
+            self.on_offence(peer, f"{err.reason}: {err.details}")
 
     # -- server: push ---------------------------------------------------------------------------
     async def _serve_push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> bytes:
@@ -468,6 +480,8 @@ class DataPlane:
                                 f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
         if _base_kind(h.kind) not in self.kinds:
             raise TransferError("bad_header", f"header.kind {h.kind[:40]!r} not one of {sorted(self.kinds)}")
+        if self.screen is not None and (why := self.screen(peer, h.kind)):
+            raise TransferError("screened", why, grpc.StatusCode.PERMISSION_DENIED)
         if h.compression not in tw.ROUNDING_BOUND:
             raise TransferError("bad_header", f"header.compression {h.compression} unknown")
         if h.checksum_algo not in CHECKSUMS:

@@ -20,7 +20,7 @@ import grpc
 
 from peerd import PROTOCOL_VERSION, __version__
 from peerd.config import Config
-from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_KEY
+from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_KEY, RefusalGate
 from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options
 from peerd.net.discovery import DiscoveryError
 from peerd.net.links import LinkMatrix
@@ -29,6 +29,7 @@ from peerd.node import capabilities, mdns_service
 from peerd.node.control_service import ControlService
 from peerd.node.convert import caps_from_pb, caps_to_pb, member_to_pb, rows_from_pb, split_host_port
 from peerd.node.identity import DataDir, atomic_write
+from peerd.node.offences import PeerOffences
 from peerd.node.links_service import LinkService
 from peerd.node.peer_service import PeerService, hello_refusal
 from peerd.v1 import control_pb2 as cpb
@@ -62,6 +63,8 @@ class Daemon:
         self.caps = capabilities.detect()
         self.membership: Membership | None = None
         self.auth: Authenticator | None = None
+        self.gate: RefusalGate | None = None
+        self.offences: PeerOffences | None = None  # bad updates per peer; flagged peers
         self._server: grpc.aio.Server | None = None
         self._control: grpc.aio.Server | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -88,8 +91,9 @@ class Daemon:
         self.data.open()
         self.node_id = self.data.node_id()
         self.incarnation = self.data.next_incarnation()
-        self.auth = Authenticator(self._secret, self.node_id, cfg.auth_max_skew, cfg.auth_replay_cache,
-                                  cfg.auth_log_every)
+        self.auth = Authenticator(self._secret, self.node_id, cfg.auth_max_skew, cfg.auth_replay_cache)
+        self.gate = RefusalGate(cfg.auth_refusal_burst, cfg.auth_refusal_rate, cfg.auth_max_sources,
+                                cfg.auth_log_every)
         self.membership = Membership(self.node_id, Timing(
             suspect_after=cfg.suspect_after, dead_after=cfg.dead_after,
             forget_dead_after=cfg.forget_dead_after, retry_base=cfg.heartbeat_interval,
@@ -98,9 +102,12 @@ class Daemon:
         self.links = LinkService(self)
         self.link_matrix = self.links.matrix
 
-        self._server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=grpc_options(cfg))
+        self._server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth, self.gate)], options=grpc_options(cfg))
         self.dataplane = DataPlane(cfg, self.node_id, cfg.run_id, on_received=self._on_received,
                                    source=self._pull_source)
+        self.offences = PeerOffences(cfg.peer_max_offences, cfg.peer_cooldown, cfg.max_peers)
+        self.dataplane.screen = self._screen
+        self.dataplane.on_offence = self.offence
         handlers = {**PeerService(self).method_handlers(), **self.dataplane.method_handlers()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PEER_SERVICE, handlers),))
         host, port = split_host_port(cfg.listen, allow_zero=True)
@@ -156,9 +163,16 @@ class Daemon:
             await self.start()
             await self._stop.wait()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            await self.shutdown()
+            # The handlers stay during shutdown: a second Ctrl+C must not cut it short mid-way.
+            try:
+                await asyncio.wait_for(self.shutdown(), self.cfg.shutdown_timeout)
+            except TimeoutError:
+                log.warning("shutdown took longer than shutdown_timeout (%.1fs); forcing the rest",
+                            self.cfg.shutdown_timeout)
+                self._force_stop()
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,22 +180,25 @@ class Daemon:
     async def shutdown(self) -> None:
         """Tell peers we leave, stop serving, close sockets, remove the control socket."""
         cfg = self.cfg
+        # Independent, so at once: stop the trainer, say goodbye on mDNS, tell peers we leave.
+        parting = []
         if self.training is not None:
-            await self.training.stop()
+            parting.append(self.training.stop())
+        if self.discovery is not None:
+            parting.append(self.discovery.stop())   # goodbye packets; bounded by mdns_stop_timeout
+        if self.membership is not None and self._server is not None:
+            targets = [m for m in self.membership.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
+            if targets:
+                parting.append(asyncio.wait([asyncio.ensure_future(self._say_leave(m)) for m in targets],
+                                            timeout=cfg.leave_timeout))
+        await asyncio.gather(*parting, return_exceptions=True)
+        self.discovery = None
         if self.links is not None:
             self.links.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=cfg.shutdown_grace)
-        if self.discovery is not None:
-            await self.discovery.stop()   # goodbye packets; bounded by mdns_stop_timeout
-            self.discovery = None
-        if self.membership is not None and self._server is not None:
-            targets = [m for m in self.membership.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
-            if targets:
-                await asyncio.wait([asyncio.ensure_future(self._say_leave(m)) for m in targets],
-                                   timeout=cfg.leave_timeout)
         for server in (self._server, self._control):
             if server is not None:
                 await server.stop(cfg.shutdown_grace)
@@ -201,6 +218,22 @@ class Daemon:
             self._events = None
         self.data.close()
         log.info("node %s stopped", self.node_id)
+
+    def _force_stop(self) -> None:
+        """What must not outlive us when the orderly shutdown ran out of time: the trainer, its
+        shared-memory slots, the control socket."""
+        run = self.training
+        if run is not None:
+            if run.trainer is not None and run.trainer.poll() is None:
+                run.trainer.kill()
+            for p in run.slot_paths:
+                p.unlink(missing_ok=True)
+        if self._control is not None:
+            self.cfg.control_socket.unlink(missing_ok=True)
+        if self._events is not None:
+            self._event("stop", forced=True)
+            self._events.close()
+            self._events = None
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -315,6 +348,7 @@ class Daemon:
                 self._contact(m.node_id, self._heartbeat(m))
             for cand in self.membership.due_candidates(now):
                 self._contact(cand.address, self._hello(cand.address, cand.source))
+            self.gate.flush()
             await asyncio.sleep(cfg.heartbeat_interval)
 
     def _contact(self, key: str, coro) -> None:
@@ -427,6 +461,31 @@ class Daemon:
                 return
         rec.release()
 
+    def offence(self, peer: str, what: str) -> None:
+        """A bad update from `peer` (dropped where it was found). Flagged: the run treats the peer
+        as down for the cool-down (no policy waits on updates that are refused), then as up."""
+        if not self.offences.record(peer, what):
+            return
+        self._event("flagged", peer=peer, what=what, cooldown=self.cfg.peer_cooldown)
+        if self.training is not None:
+            self.training.peer_down(peer)
+        asyncio.get_running_loop().call_later(self.cfg.peer_cooldown + 0.05, self._readmit, peer)
+
+    def _readmit(self, peer: str) -> None:
+        if self.offences is None or self.offences.flagged_for(peer):
+            return  # shut down, or flagged again meanwhile (that flag has its own timer)
+        self._event("readmitted", peer=peer)
+        m = self.membership.get(peer)
+        if self.training is not None and m is not None and m.state in (State.ALIVE, State.SUSPECT):
+            self.training.peer_up(peer)
+
+    def _screen(self, peer: str, kind: str) -> str | None:
+        """Model updates of a peer flagged for bad updates are refused at their header."""
+        if kind.partition(":")[0] not in ("model", "carry"):
+            return None
+        left = self.offences.flagged_for(peer)
+        return f"peer {peer} is flagged for bad updates; ignored for {left:.0f}s more" if left else None
+
     def _pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
         if self.training is not None and kind == self.training.kind("model"):
             return self.training.serve_pull(requester)
@@ -489,14 +548,18 @@ class Daemon:
         peers = [cpb.PeerStatus(node_id=m.node_id, address=m.address, state=m.state.value,
                                 last_heartbeat_age_s=now - m.last_heard, rtt_ms=m.rtt_s * 1000,
                                 incarnation=m.incarnation, device_kind=m.capabilities.get("device_kind", ""),
-                                direct=True)
+                                direct=True, **dict(zip(("bad_updates", "flagged_for_s", "last_offence"),
+                                                        self.offences.view(m.node_id))))
                  for m in sorted(self.membership.members.values(), key=lambda m: m.node_id)]
+        gate = self.gate.state()
         return cpb.StatusReply(node_id=self.node_id, address=self.address, run_id=self.cfg.run_id,
                                uptime_s=now - self.started_mono, protocol_version=PROTOCOL_VERSION,
                                peerd_version=__version__, event_loop=loop_name(), incarnation=self.incarnation,
                                peers=peers, data_dir=str(self.data.path), tls=bool(self.cfg.tls_cert),
                                training_json=json.dumps(self.training.state(), default=str)
-                               if self.training is not None else "")
+                               if self.training is not None else "",
+                               refused_calls=gate["refused"], rate_limited_calls=gate["rate_limited"],
+                               rate_limit_entries=gate["rate_limit_entries"], refusal_log_lines=gate["log_lines"])
 
     def links_message(self) -> cpb.LinksReply:
         return self.links.links_reply()

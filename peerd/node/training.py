@@ -58,6 +58,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -208,6 +209,8 @@ class TrainingRun:
         self.progress = Progress()
         self.changed = asyncio.Event()
         self.dropped_nonfinite = 0
+        self.dropped_bad: collections.Counter[str] = collections.Counter()   # per sender node id
+        self.checkpoint_failures = 0            # as the trainer reports them
         self.trainer: subprocess.Popen | None = None
         self.done = asyncio.Event()
         self.draining = False                  # trainer finished; still serving the peers' last pulls
@@ -425,16 +428,17 @@ class TrainingRun:
             else:
                 rec.release()
             return
-        if rec.nbytes != self.layout.total_bytes:
-            log.warning("dropped update %d from %s: %d bytes, this run's layout has %d", rec.iteration,
-                        rec.sender, rec.nbytes, self.layout.total_bytes)
+        bad = self._bad_update(rec)
+        if bad:
+            self.dropped_bad[rec.sender] += 1
+            log.warning("dropped update %d from %s: %s (%d from it so far)", rec.iteration, rec.sender, bad,
+                        self.dropped_bad[rec.sender])
+            self.d.offence(rec.sender, bad)
             rec.release()
-            return
-        if not all(all_finite(t) for t in self.layout.typed(rec.buffer)):
-            self.dropped_nonfinite += 1
-            log.warning("dropped update %d from %s: NaN/Inf in the parameters (%d dropped so far)",
-                        rec.iteration, rec.sender, self.dropped_nonfinite)
-            rec.release()
+            if not rec.kind.startswith("carry") and not self.d.offences.flagged_for(rec.sender):
+                # It came, it is just not mixed: the mix renormalises over the buffers present, so
+                # a policy that waits for this update does not wait for one that never comes.
+                self.feed(ev.UpdateArrived(src, rec.iteration))
             return
         self.progress.newest_seen = max(self.progress.newest_seen, rec.iteration)
         self._back_in_run(rec.sender, rec.iteration)
@@ -446,6 +450,29 @@ class TrainingRun:
             self.feed(ev.PullRequested(src, rec.iteration, carried=True))
         else:
             self.feed(ev.UpdateArrived(src, rec.iteration))
+
+    def _bad_update(self, rec: Received) -> str:
+        """Why a peer's update must not be mixed ("" when it may): size not the run's layout,
+        NaN/Inf, a value beyond update_max_abs, or a norm beyond update_max_norm_ratio times ours."""
+        if rec.nbytes != self.layout.total_bytes:
+            return f"{rec.nbytes} bytes, this run's layout has {self.layout.total_bytes}"
+        parts = [t for t in self.layout.typed(rec.buffer) if t.is_floating_point()]
+        if not all(all_finite(t) for t in parts):
+            self.dropped_nonfinite += 1
+            return "NaN/Inf in the parameters"
+        cfg = self.d.cfg
+        if cfg.update_max_abs > 0:
+            top = max((max(-float(lo), float(hi)) for lo, hi in (t.aminmax() for t in parts if t.numel())),
+                      default=0.0)
+            if top > cfg.update_max_abs:
+                return f"|value| {top:.3g} beyond update_max_abs {cfg.update_max_abs:g}"
+        if cfg.update_max_norm_ratio > 0 and self.live_k in self.own:
+            theirs, ours = _norm(parts), _norm([t for t in self.layout.typed(self.own[self.live_k])
+                                                if t.is_floating_point()])
+            if theirs > cfg.update_max_norm_ratio * max(ours, 1.0):
+                return (f"parameter norm {theirs:.3g} beyond update_max_norm_ratio {cfg.update_max_norm_ratio:g} "
+                        f"x ours {ours:.3g} (floor 1)")
+        return ""
 
     def on_tokens(self, node_id: str, n: int) -> None:
         if node_id in self.nodes:
@@ -823,6 +850,12 @@ class TrainingRun:
             p.compute_s.add(m.extra["compute_s"], STEP_EWMA)
         if m.step_time_s > 0:
             p.step_s.add(m.step_time_s, STEP_EWMA)
+        failures = int(m.extra.get("checkpoint_failures", 0))
+        if failures > self.checkpoint_failures:
+            self.checkpoint_failures = failures
+            p.message = (f"checkpoint at iteration {m.iteration} FAILED ({failures} so far; disk full?): "
+                         f"training goes on, the previous checkpoint is kept; see the trainer log")
+            log.error("%s", p.message)
         if "accuracy" in m.extra:
             p.metric_name, p.metric = "accuracy", m.extra["accuracy"]
         elif "eval_loss" in m.extra:
@@ -848,7 +881,8 @@ class TrainingRun:
         env.update(PEERD_CONTROL_SOCKET=str(self.d.cfg.control_socket), PEERD_SESSION=self.session,
                    PEERD_RANK=str(self.rank), PEERD_WORLD=str(self.n), PEERD_SLOWDOWN=str(self.spec.slowdown),
                    PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=self.d.cfg.run_id,
-                   PEERD_PAUSE_TIMEOUT=str(self.d.cfg.train_pause_timeout))
+                   PEERD_PAUSE_TIMEOUT=str(self.d.cfg.train_pause_timeout),
+                   PEERD_CHECKPOINT_EVERY=str(self.d.cfg.checkpoint_every))
         return env
 
     async def supervise(self) -> None:
@@ -861,8 +895,13 @@ class TrainingRun:
             with open(log_path, "ab") as logf:
                 # subprocess uses vfork+exec: no fork handlers run in a child of a process whose
                 # gRPC threads are busy (a plain fork there can crash or hang the child).
+                if self.progress.state == "stopping":
+                    break  # stop() came while we waited: never start a trainer nobody will stop
+                # Its own process group: Ctrl+C at the daemon's terminal reaches the daemon only,
+                # which stops the trainer in order (a trainer killed first looked like a crash).
                 self.trainer = subprocess.Popen(self.trainer_argv(), env=self.trainer_env(), stdout=logf,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                process_group=0)
                 log.info("trainer pid %d started (rank %d of %d, %s, %s); log %s", self.trainer.pid, self.rank,
                          self.n, self.spec.algorithm, self.spec.task or " ".join(self.spec.script), log_path)
                 code = await asyncio.to_thread(self.trainer.wait)
@@ -884,6 +923,8 @@ class TrainingRun:
             log.warning("trainer exited %d; restarting from checkpoint (%d)", code, self.progress.restarts)
             self.changed.set()
             await asyncio.sleep(self.d.cfg.train_restart_delay)
+            if self.progress.state == "stopping":
+                break
             self.progress.state = "training"
         self.done.set()
         self.changed.set()
@@ -948,7 +989,12 @@ class TrainingRun:
                 "recommended": list(self.replanner.recommended) if self.replanner else None,
                 "policy": self.policy.state(), "held_updates": len(self.received),
                 "absent": {self.nodes[i]: why for i, why in self.absent.items()},
-                "dropped_nonfinite": self.dropped_nonfinite}
+                "dropped_nonfinite": self.dropped_nonfinite, "dropped_bad": dict(self.dropped_bad),
+                "tag": self.tag}
+
+
+def _norm(parts: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in parts))
 
 
 def checkpoint_iteration(directory: Path) -> int:

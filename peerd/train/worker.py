@@ -30,6 +30,25 @@ from peerd.v1 import control_pb2 as cpb
 log = logging.getLogger("peerd.trainer")
 
 
+class _Writes:
+    """A file for torch.save that keeps the OSError of a failed write (ENOSPC, EIO): torch's zip
+    writer replaces it with a RuntimeError that does not say what happened."""
+
+    def __init__(self, fh) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def save_checkpoint(directory: Path, iteration: int, model: torch.nn.Module, opt: DecentralizedOptimizer) -> Path:
     """Write to a temporary file, fsync, rename: a crash or a full disk keeps the previous one."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -37,18 +56,28 @@ def save_checkpoint(directory: Path, iteration: int, model: torch.nn.Module, opt
     tmp = directory / f".latest.pt.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as fh:
-            torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": opt.state_dict()}, fh)
+            out = _Writes(fh)
+            try:
+                torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": opt.state_dict()},
+                           out)
+            except RuntimeError:
+                if out.error is not None:  # torch reports a failed write as "unexpected pos"
+                    raise out.error from None
+                raise
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        log.error("checkpoint at iteration %d FAILED (%s); the previous checkpoint is kept", iteration, e)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next try needs
+        if isinstance(e, OSError):
+            log.error("CHECKPOINT FAILED at iteration %d (%s); the previous checkpoint is kept", iteration, e)
         raise
     return path
 
 
 def load_checkpoint(directory: Path) -> dict | None:
+    for stale in directory.glob(".latest.pt.tmp*"):   # a write cut short by a kill or a full disk
+        stale.unlink(missing_ok=True)
     path = directory / "latest.pt"
     if not path.exists():
         return None
@@ -92,6 +121,12 @@ def apply_directives(exchange, opt: DecentralizedOptimizer, checkpoint, pause_ti
             log.info("stop at iteration %d: %s", opt.iteration, checkpoint())
             return False
 
+def _terminated(*_: object) -> None:
+    """SIGTERM from the daemon: leave now. Checkpoints are atomic, so nothing is torn; skipping
+    the interpreter's teardown (torch, gRPC) keeps a stop within its bound on a loaded host."""
+    logging.shutdown()
+    os._exit(0)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="peerd.train.worker")
@@ -108,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accum-iter", type=int)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer: %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _terminated)
     torch.set_num_threads(1)
 
     task = get_task(args.task)
@@ -143,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
              rank, world, args.task, inner, opt.iteration, end, slowdown)
     last_eval = opt.iteration
     pause_timeout = float(os.environ.get("PEERD_PAUSE_TIMEOUT", "3600"))
+    failed_checkpoints = 0
     while opt.iteration < end:
         if not apply_directives(exchange, opt, lambda: save_checkpoint(ckpt_dir, opt.iteration, model, opt),
                                 pause_timeout):
@@ -160,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
             last_eval = opt.iteration
             extra.update({("accuracy" if k == "accuracy" else f"eval_{k}"): v for k, v in task.evaluate(model).items()})
-        exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
         if args.checkpoint_every and opt.iteration % args.checkpoint_every == 0 or opt.iteration >= end:
-            save_checkpoint(ckpt_dir, opt.iteration, model, opt)
+            try:
+                save_checkpoint(ckpt_dir, opt.iteration, model, opt)
+            except OSError:
+                failed_checkpoints += 1  # logged; training goes on, the daemon hears the count
+        if failed_checkpoints:
+            extra["checkpoint_failures"] = failed_checkpoints
+        exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
     exchange.close()
     return 0
 

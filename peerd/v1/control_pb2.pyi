@@ -12,7 +12,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("node_id", "address", "state", "last_heartbeat_age_s", "rtt_ms", "incarnation", "device_kind", "direct")
+    __slots__ = ("node_id", "address", "state", "last_heartbeat_age_s", "rtt_ms", "incarnation", "device_kind", "direct", "bad_updates", "flagged_for_s", "last_offence")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,9 @@ class PeerStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    BAD_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_OFFENCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     state: str
@@ -29,10 +32,13 @@ class PeerStatus(_message.Message):
     incarnation: int
     device_kind: str
     direct: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
+    bad_updates: int
+    flagged_for_s: float
+    last_offence: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ..., bad_updates: _Optional[int] = ..., flagged_for_s: _Optional[float] = ..., last_offence: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json")
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +51,10 @@ class StatusReply(_message.Message):
     DATA_DIR_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMIT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_LOG_LINES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     run_id: str
@@ -57,7 +67,11 @@ class StatusReply(_message.Message):
     data_dir: str
     tls: bool
     training_json: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ...) -> None: ...
+    refused_calls: int
+    rate_limited_calls: int
+    rate_limit_entries: int
+    refusal_log_lines: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ...) -> None: ...
 
 class LinksRequest(_message.Message):
     __slots__ = ()
