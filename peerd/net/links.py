@@ -68,6 +68,7 @@ The matrix and gossip
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 from dataclasses import dataclass, field
@@ -110,11 +111,21 @@ class Ewma:
         return math.sqrt(max(self.var, 0.0))
 
 
+@dataclass(frozen=True)
+class Sample:
+    at: float                 # this host's clock
+    rate: float               # bytes/s
+    nbytes: int
+
+
 @dataclass
 class LinkEstimate:
     """This node's estimate of its link to one peer."""
     rtt: Ewma = field(default_factory=Ewma)          # seconds
-    bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer
+    bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer: recent throughput
+    # Trusted bandwidth samples as a monotonic queue: rates strictly fall from front to back, so
+    # the front is the highest sample of the window and the back the newest sample.
+    peaks: collections.deque[Sample] = field(default_factory=collections.deque)
     rtt_at: float | None = None                      # time of the last RTT sample
     bw_at: float | None = None                       # time of the last bandwidth sample
     rtt_min: float = 0.0                             # least RTT seen lately: the path without queues
@@ -124,6 +135,26 @@ class LinkEstimate:
     def base_rtt(self) -> float:
         """The RTT without queueing, for sizing probes and taking the RTT off transfer times."""
         return self.rtt_min if self.rtt.n else 0.0
+
+    @property
+    def capacity(self) -> float:
+        """Bytes/s the path carries: the highest trusted sample within link_capacity_window (cross
+        traffic only lowers a sample). The throughput EWMA while no sample is trusted; 0: unknown."""
+        if self.peaks:
+            return self.peaks[0].rate
+        return self.bw.mean if self.bw.n else 0.0
+
+    @property
+    def capacity_at(self) -> float | None:
+        """When the sample that sets the capacity was taken (None: no trusted sample)."""
+        return self.peaks[0].at if self.peaks else None
+
+    def add_peak(self, s: Sample, window: float, most: int) -> None:
+        while self.peaks and self.peaks[-1].rate <= s.rate:
+            self.peaks.pop()                         # never the max again while s is in the window
+        self.peaks.append(s)
+        while len(self.peaks) > 1 and (self.peaks[0].at < s.at - window or len(self.peaks) > most):
+            self.peaks.popleft()
 
     @property
     def samples(self) -> int:
@@ -160,6 +191,10 @@ class _Schedule:
     short: bool = False               # the estimate rests only on too-short bandwidth samples
     last_bytes: int = 0               # size of the last bandwidth sample
     flat: int = 0                     # warm-up: trusted probes in a row that did not raise the estimate
+    warm_bytes: int = 0               # warm-up: size of the probe that read the most
+    settled: int = 0                  # trusted probes since warm-up (their gap grows with this)
+    dips: list[Sample] = field(default_factory=list)   # probes in a row that read below the capacity
+    debt: int = 0                     # re-check probes the next period must pay for (the budget holds)
 
 
 class LinkTable:
@@ -230,6 +265,7 @@ class LinkTable:
         if not probe and busy < self.cfg.link_min_transfer_seconds:
             return False                              # latency-dominated: says little about bandwidth
         sched = self._sched[(peer, BW)]
+        warming = self._warming(est, sched)
         # Too short to trust: RTT-dominated (the floor above applied), or under half a probe's time
         # when a bigger probe was allowed (the first probe, small traffic: bursts and buffers rule).
         short = seconds - rtt < seconds / 2 or (
@@ -239,7 +275,7 @@ class LinkTable:
             # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
             est.bw.restart(rate)
             self._settle(sched, probe)
-        elif probe and not short and self._warming(est, sched):
+        elif probe and not short and warming:
             # Warm-up keeps the highest trusted probe: hosts started together warm up together, and
             # probes through a shared bottleneck (a site uplink) each get a fraction of it; cross
             # traffic only ever lowers a trusted sample.
@@ -247,15 +283,39 @@ class LinkTable:
             sched.flat = 0 if rising else sched.flat + 1
             if rate > est.bw.mean:
                 est.bw.restart(rate)
+                sched.warm_bytes = nbytes
             else:
                 est.bw.n += 1
             self._settle(sched, probe)
         else:
             self._fold(est.bw, rate, sched, probe, now, 0.0)
+        if probe and not warming:
+            sched.settled += 1
+        if not short:
+            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe and not warming)
         sched.short = short and est.bw.n == 1 or (sched.short and short)
         sched.last_bytes = nbytes
         est.bw_at = now
         return True
+
+    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, check: bool) -> None:
+        """Fold a trusted sample into the capacity. A steady-state probe that reads well below it is
+        re-checked; only when link_capacity_confirm re-checks in a row read low too (a real drop, not
+        a probe that met cross traffic) does the capacity fall, to the best of them."""
+        cfg = self.cfg
+        if check:
+            if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
+                sched.dips.append(s)
+                if len(sched.dips) > cfg.link_capacity_confirm:
+                    est.peaks.clear()
+                    for d in sched.dips:
+                        est.add_peak(d, cfg.link_capacity_window, cfg.link_capacity_samples)
+                    sched.debt, sched.dips = len(sched.dips) - 1, []
+                    return
+            else:
+                sched.debt = len(sched.dips) if sched.dips else 0
+                sched.dips.clear()
+        est.add_peak(s, cfg.link_capacity_window, cfg.link_capacity_samples)
 
     def _warming(self, est: LinkEstimate, sched: _Schedule) -> bool:
         """Warm-up: too few samples, or the estimate still rises with bigger probes (TCP ramp-up
@@ -310,6 +370,8 @@ class LinkTable:
         sched = self._sched[(peer, BW)]
         if not sched.short and sched.last_bytes and self._warming(est, sched):
             size = max(size, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
+        else:
+            size = max(size, sched.warm_bytes)        # smaller ones read low (TCP ramp-up after idle)
         return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, size)))
 
     def bw_period(self, peer: str) -> float:
@@ -337,8 +399,11 @@ class LinkTable:
             due = -math.inf
         elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
             due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
-        else:
-            due = est.bw_at + self.bw_period(peer)
+        elif sched.dips:                                     # re-check a low probe, later each time
+            due = est.bw_at + cfg.link_min_probe_gap * cfg.link_settle_growth ** len(sched.dips)
+        else:                                                # settle: gaps grow to the steady period
+            settle = cfg.link_min_probe_gap * cfg.link_settle_growth ** min(sched.settled + 1, 64)
+            due = est.bw_at + min(settle, self.bw_period(peer) * (1 + sched.debt))
         if sched.change_at is not None:
             due = min(due, sched.change_at)
         return max(due, soonest)
@@ -380,16 +445,20 @@ class LinkTable:
 
 @dataclass
 class MatrixEntry:
-    bandwidth_bps: float          # bytes/s, measurer -> target; 0 when not measured
-    bandwidth_spread_bps: float
+    capacity_bytes_s: float       # measurer -> target: highest recent trusted sample; 0 when not measured
+    throughput_bytes_s: float     # EWMA of all bandwidth samples (probes and data-plane transfers)
+    throughput_spread_bytes_s: float
     rtt_s: float                  # 0 when not measured
     rtt_spread_s: float
     samples: int
     updated_at: float             # this host's clock
+    capacity_at: float            # this host's clock: when the capacity's sample was taken
 
     def to_dict(self, measurer: str, target: str, now: float) -> dict[str, Any]:
-        return {"measurer": measurer, "target": target, "bandwidth_bps": self.bandwidth_bps,
-                "bandwidth_spread_bps": self.bandwidth_spread_bps, "rtt_s": self.rtt_s,
+        return {"measurer": measurer, "target": target, "capacity_bytes_s": self.capacity_bytes_s,
+                "capacity_age_s": max(0.0, now - self.capacity_at),
+                "throughput_bytes_s": self.throughput_bytes_s,
+                "throughput_spread_bytes_s": self.throughput_spread_bytes_s, "rtt_s": self.rtt_s,
                 "rtt_spread_s": self.rtt_spread_s, "samples": self.samples,
                 "age_s": max(0.0, now - self.updated_at)}
 
@@ -429,8 +498,9 @@ class LinkMatrix:
             if at is None:
                 continue
             self.entries[(self.self_id, peer)] = MatrixEntry(
-                est.bw.mean if est.bw.n else 0.0, est.bw.spread, est.rtt.mean if est.rtt.n else 0.0,
-                est.rtt.spread, min(est.samples, MAX_SAMPLES), at)
+                est.capacity, est.bw.mean if est.bw.n else 0.0, est.bw.spread,
+                est.rtt.mean if est.rtt.n else 0.0, est.rtt.spread, min(est.samples, MAX_SAMPLES), at,
+                est.capacity_at if est.capacity_at is not None else est.bw_at or at)
         self._bound()
 
     def merge(self, entries: Iterable[Mapping[str, Any]], now: float) -> tuple[int, list[str]]:
@@ -450,10 +520,11 @@ class LinkMatrix:
                 samples = d.get("samples", 0)
                 if isinstance(samples, bool) or not isinstance(samples, int) or not 0 <= samples <= MAX_SAMPLES:
                     raise BadEntry(f"samples={samples!r} is not a count")
-                entry = MatrixEntry(_num(d, "bandwidth_bps", MAX_BANDWIDTH),
-                                    _num(d, "bandwidth_spread_bps", MAX_BANDWIDTH),
+                entry = MatrixEntry(_num(d, "capacity_bytes_s", MAX_BANDWIDTH),
+                                    _num(d, "throughput_bytes_s", MAX_BANDWIDTH),
+                                    _num(d, "throughput_spread_bytes_s", MAX_BANDWIDTH),
                                     _num(d, "rtt_s", MAX_RTT), _num(d, "rtt_spread_s", MAX_RTT),
-                                    samples, now - age)
+                                    samples, now - age, now - _num(d, "capacity_age_s", math.inf))
             except BadEntry as e:
                 refused.append(str(e))
                 continue
@@ -488,11 +559,12 @@ class LinkMatrix:
         return self.entries.get((measurer, target))
 
     def bandwidth(self, a: str, b: str, symmetric: bool = True) -> float | None:
-        """Estimated bytes/s from a to b; with `symmetric`, b's measurement towards a as a fallback."""
+        """Capacity a -> b in bytes/s (the throughput EWMA where no capacity is known); with
+        `symmetric`, b's measurement towards a as a fallback."""
         for key in ((a, b), (b, a)) if symmetric else ((a, b),):
             e = self.entries.get(key)
-            if e is not None and e.bandwidth_bps > 0:
-                return e.bandwidth_bps
+            if e is not None and (e.capacity_bytes_s > 0 or e.throughput_bytes_s > 0):
+                return e.capacity_bytes_s or e.throughput_bytes_s
         return None
 
     def rtt(self, a: str, b: str) -> float | None:
@@ -546,17 +618,24 @@ def _label(ids: list[str]) -> dict[str, str]:
 
 
 def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
-    """Render {"node_id", "links": [LinkEntry-like dicts]} as tables (Mbit/s, ms, age) or JSON.
+    """Render {"node_id", "links": [LinkEntry-like dicts]} as tables or JSON.
 
-    Missing fields count as 0 (protobuf's MessageToDict omits zeros). Rows measure towards columns.
+    JSON rows: measurer, target, capacity_mbit_s (highest recent trusted sample: what the path
+    carries), capacity_age_s (age of that sample), throughput_mbit_s and throughput_mbit_s_spread
+    (EWMA of all samples and its spread: what transfers got lately, cross traffic included),
+    rtt_ms, rtt_ms_spread, samples, age_s (since the measurer last updated the entry). Mbit/s are
+    10^6 bits per second of payload. Missing fields count as 0 (protobuf's MessageToDict omits
+    zeros). Rows measure towards columns.
     """
     me = str(matrix.get("node_id", ""))
     rows = []
     for d in matrix.get("links", []) or []:
         get = lambda k: float(d.get(k, 0) or 0)  # noqa: E731
         rows.append({"measurer": str(d.get("measurer", "")), "target": str(d.get("target", "")),
-                     "mbit_s": get("bandwidth_bps") * 8 / 1e6,
-                     "mbit_s_spread": get("bandwidth_spread_bps") * 8 / 1e6,
+                     "capacity_mbit_s": get("capacity_bytes_s") * 8 / 1e6,
+                     "capacity_age_s": get("capacity_age_s"),
+                     "throughput_mbit_s": get("throughput_bytes_s") * 8 / 1e6,
+                     "throughput_mbit_s_spread": get("throughput_spread_bytes_s") * 8 / 1e6,
                      "rtt_ms": get("rtt_s") * 1e3, "rtt_ms_spread": get("rtt_spread_s") * 1e3,
                      "age_s": get("age_s"), "samples": int(d.get("samples", 0) or 0)})
     rows.sort(key=lambda r: (r["measurer"], r["target"]))
@@ -572,7 +651,7 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
         return f"links seen by {me or '?'}: no link measured yet\n"
     cell = {(r["measurer"], r["target"]): r for r in rows}
     lab = _label(nodes)
-    width = max(8, *(len(v) for v in lab.values())) + 2
+    width = max(13, *(len(v) for v in lab.values())) + 2
     out = [f"links seen by {me}: {len(nodes)} nodes, {len(rows)} measured links "
            f"(each row measures towards each column)"]
 
@@ -587,8 +666,14 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
                 line += ("-" if m == t else "." if r is None else fn(r)).rjust(width)
             out.append(line)
 
-    table("bandwidth, Mbit/s", lambda r: f"{r['mbit_s']:.1f}" if r["mbit_s"] > 0 else "?")
-    table("rtt, ms", lambda r: f"{r['rtt_ms']:.2f}" if r["rtt_ms"] > 0 else "?")
+    def pm(x: float, sd: float, digits: int) -> str:
+        return "?" if x <= 0 else f"{x:.{digits}f}+-{sd:.{digits}f}"
+
+    table("capacity, Mbit/s (highest recent probe or transfer)",
+          lambda r: f"{r['capacity_mbit_s']:.1f}" if r["capacity_mbit_s"] > 0 else "?")
+    table("throughput, Mbit/s (recent average +- spread; lower than capacity under cross traffic)",
+          lambda r: pm(r["throughput_mbit_s"], r["throughput_mbit_s_spread"], 1))
+    table("rtt, ms (average +- spread)", lambda r: pm(r["rtt_ms"], r["rtt_ms_spread"], 2))
     table("age, s (since the measurer last updated it)", lambda r: f"{r['age_s']:.0f}")
     if any(lab[n] != n for n in nodes):
         out.append("")
