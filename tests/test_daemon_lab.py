@@ -54,7 +54,8 @@ def make_lab(tmp_path):
     def make(prof: profile.Profile, **kw) -> lab.Lab:
         d = tmp_path / f"lab{len(made)}"
         made.append(d)
-        lab.up(prof, d, Config(), **kw)
+        # Daemons start slowly on a machine shared by many test runs (seen: > 15 s at load 25).
+        lab.up(prof, d, Config(lab_ready_timeout=max(60.0, Config().lab_ready_timeout)), **kw)
         return lab.Lab(d)
 
     yield make

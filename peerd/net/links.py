@@ -5,7 +5,20 @@ host). The daemon runs the probes LinkTable asks for, feeds back what it observe
 LinkMatrix entries into heartbeat gossip.
 
 Estimates
-- RTT (seconds) and bandwidth (bytes/s, measurer -> target) are exponentially weighted moving
+- Two bandwidth figures (bytes/s, measurer -> target):
+  capacity: what the path carries, the highest trusted sample within link_capacity_window. A probe
+    that shares a bottleneck with other traffic (another host of the site probing through the same
+    uplink, the data plane) reads low, never high, so the best recent sample is the robust figure
+    and an EWMA is not. Kept as a monotonic queue (rates fall from front to back, at most
+    link_capacity_samples): O(1) amortized, and the newest sample always counts.
+  throughput: the EWMA of all samples, probes and data-plane transfers alike: what transfers got
+    lately, cross traffic included.
+  A steady-state probe that reads more than link_capacity_dip below the capacity is re-checked
+  (link_min_probe_gap * growth^k after it, k = 1, 2, ...). If link_capacity_confirm re-checks in a
+  row read low too, the link really got slower: the capacity restarts from those samples. A real
+  drop is thus followed within one probe period plus the re-checks (or at once, when a data-plane
+  transfer shows it, see Change), and in any case once the higher samples leave the window.
+- RTT (seconds) and throughput are exponentially weighted moving
   averages with an exponentially weighted variance (West/Finch incremental form):
       d = x - mean;  mean += a*d;  var = (1 - a) * (var + a*d*d)
   `spread` is sqrt(var), in the unit of the mean. Each estimate keeps its sample count and the
@@ -38,8 +51,14 @@ When to probe (due_probes)
   started together warm up together, and probes through a shared bottleneck each measure a
   fraction of it (cross traffic only lowers a sample). The daemon also starts each bulk probe
   after a random delay, so steady-state probes of different hosts rarely meet.
+  Settle: after warm-up the gap between probes grows by link_settle_growth per probe, from
+  2 * link_min_probe_gap up to T. Hosts of a site that warmed up together may have met on every
+  warm-up probe; as all of them thin out, overlaps get rare, and the first clean probe sets the
+  capacity. This costs a one-time log2(T / gap) probes, nothing at steady state.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
-  busy link is rarely probed).
+  busy link is rarely probed); after k re-checks the next period is (1 + k) * T, so the budget
+  holds with re-checks too. Probes are at least as big as the warm-up probe that read the most
+  (smaller ones read low: TCP restarts slow start after idle).
 - Probe size and period, with B the estimated bandwidth and R the base RTT:
       S = clamp(B * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
       P = ping_bytes / (B * link_rtt_interval)          (the share RTT pings take, at most budget/2)
@@ -62,9 +81,11 @@ The matrix and gossip
   the receiver turns an age into its own clock as `now - age_s`. The newer entry wins. This node's
   own rows come only from its LinkTable, never from gossip. Entries older than link_forget_after
   are dropped; at most link_max_entries are kept (the oldest go first).
-- The dict form of one entry uses the field names of peer.proto's LinkEntry: measurer, target,
-  bandwidth_bps (bytes/s, as that proto documents), bandwidth_spread_bps, rtt_s, rtt_spread_s,
-  samples, age_s. Zero means "not measured".
+- The dict form of one entry uses the field names of peer.proto's LinkEntry (and control.proto's
+  LinkMeasurement): measurer, target, capacity_bytes_s, capacity_age_s (age of the sample that
+  sets the capacity), throughput_bytes_s, throughput_spread_bytes_s, rtt_s, rtt_spread_s,
+  samples, age_s. Zero means "not measured". `bandwidth()` (and so expected_times) is the
+  capacity; the throughput where no sample was trusted.
 """
 from __future__ import annotations
 
