@@ -112,6 +112,8 @@ class Config:
     link_capacity_dip: float = _f(0.2, "a probe reading more than this fraction below the capacity is re-checked")
     link_capacity_confirm: int = _f(2, "re-checks that must all read low, after a low probe, before the "
                                        "capacity drops to what they read (a real change, not cross traffic)")
+    link_probe_growth_max: float = _f(4.0, "after warm-up a probe is at most this many times the size "
+                                           "max(link_probe_seconds, link_probe_rtts x RTT) at the capacity")
     link_settle_growth: float = _f(2.0, "after warm-up the gap between bandwidth probes grows by this factor per "
                                         "probe, from 2 x link_min_probe_gap up to the steady period")
 
@@ -277,6 +279,8 @@ def validate(cfg: Config) -> None:
                           f"link_probe_max_bytes ({cfg.link_probe_max_bytes})")
     if not 0 < cfg.link_capacity_dip < 1:
         raise ConfigError(f"link_capacity_dip ({cfg.link_capacity_dip}) must be in (0, 1)")
+    if cfg.link_probe_growth_max < 1:
+        raise ConfigError(f"link_probe_growth_max ({cfg.link_probe_growth_max}) must be >= 1")
     if cfg.link_settle_growth <= 1:
         raise ConfigError(f"link_settle_growth ({cfg.link_settle_growth}) must be > 1")
     if cfg.link_capacity_confirm < 0:

@@ -212,7 +212,8 @@ class _Schedule:
     short: bool = False               # the estimate rests only on too-short bandwidth samples
     last_bytes: int = 0               # size of the last bandwidth sample
     flat: int = 0                     # warm-up: trusted probes in a row that did not raise the estimate
-    warm_bytes: int = 0               # warm-up: size of the probe that read the most
+    full_bytes: int = 0               # smallest probe that read the capacity (within link_warmup_gain)
+    rising: bool = False              # the last trusted probe raised the capacity by more than link_warmup_gain
     settled: int = 0                  # trusted probes since warm-up (their gap grows with this)
     dips: list[Sample] = field(default_factory=list)   # probes in a row that read below the capacity
     debt: int = 0                     # re-check probes the next period must pay for (the budget holds)
@@ -304,7 +305,6 @@ class LinkTable:
             sched.flat = 0 if rising else sched.flat + 1
             if rate > est.bw.mean:
                 est.bw.restart(rate)
-                sched.warm_bytes = nbytes
             else:
                 est.bw.n += 1
             self._settle(sched, probe)
@@ -313,18 +313,24 @@ class LinkTable:
         if probe and not warming:
             sched.settled += 1
         if not short:
-            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe and not warming)
+            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe, probe and not warming)
         sched.short = short and est.bw.n == 1 or (sched.short and short)
         sched.last_bytes = nbytes
         est.bw_at = now
         return True
 
-    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, check: bool) -> None:
+    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, probe: bool, check: bool) -> None:
         """Fold a trusted sample into the capacity. A steady-state probe that reads well below it is
         re-checked; only when link_capacity_confirm re-checks in a row read low too (a real drop, not
         a probe that met cross traffic) does the capacity fall, to the best of them."""
         cfg = self.cfg
+        prev, gain = (est.capacity if est.peaks else 0.0), cfg.link_warmup_gain
+        if probe and s.rate > prev * (1 + gain):
+            sched.full_bytes = s.nbytes                      # a new level
+        elif probe and s.rate >= prev * (1 - gain):
+            sched.full_bytes = min(sched.full_bytes or s.nbytes, s.nbytes)
         if check:
+            sched.rising = s.rate > prev * (1 + gain)
             if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
                 sched.dips.append(s)
                 if len(sched.dips) > cfg.link_capacity_confirm:
@@ -332,6 +338,7 @@ class LinkTable:
                     for d in sched.dips:
                         est.add_peak(d, cfg.link_capacity_window, cfg.link_capacity_samples)
                     sched.debt, sched.dips = len(sched.dips) - 1, []
+                    sched.full_bytes = est.peaks[0].nbytes
                     return
             else:
                 sched.debt = len(sched.dips) if sched.dips else 0
@@ -387,12 +394,16 @@ class LinkTable:
         if est.bw.n == 0 or est.bw.mean <= 0:
             return cfg.link_probe_min_bytes
         duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
-        size = est.bw.mean * duration
+        base = est.capacity * duration
         sched = self._sched[(peer, BW)]
         if not sched.short and sched.last_bytes and self._warming(est, sched):
-            size = max(size, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
+            size = max(base, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
         else:
-            size = max(size, sched.warm_bytes)        # smaller ones read low (TCP ramp-up after idle)
+            # At least as big as the probe that read the capacity (smaller ones read low: TCP
+            # restarts slow start after idle), and twice the last while that raised the capacity: the
+            # plateau search goes on after warm-up, whose probes may all have met cross traffic.
+            size = max(base, sched.full_bytes, 2 * sched.last_bytes if sched.rising else 0)
+            size = min(size, cfg.link_probe_growth_max * base)
         return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, size)))
 
     def bw_period(self, peer: str) -> float:
