@@ -389,6 +389,31 @@ def test_warm_up_under_cross_traffic_is_corrected_by_the_settle_probes():
     assert gaps[:3] == pytest.approx([gap * g ** 3, gap * g ** 4, gap * g ** 5], abs=0.05)
 
 
+def test_the_plateau_search_goes_on_after_a_warm_up_under_cross_traffic():
+    """A path whose rate grows with transfer size (slow start after idle), every warm-up probe
+    sharing it (half): the first clean settle probe raises the capacity, so the next one is twice
+    as big, until the rate stops rising. Without that the capacity stays at what a probe sized from
+    the contended estimate reads."""
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt, now = 6.25e6, 0.045, 0.0
+    est, sched = t.estimate("b"), t._sched[("b", BW)]
+    ramp = 14_480 * 2 ** 5                  # bytes sent during ~5 RTTs of slow start from 10 segments
+
+    def busy(n: int) -> float:
+        return 5 * rtt + (n - ramp) / bw if n > ramp else rtt * math.log2(1 + n / 14_480)
+    while now < 60.0:
+        for p in t.due_probes(now):
+            if p.kind == RTT:
+                t.observe_rtt(p.peer, rtt, now)
+            else:
+                share = 0.5 if sched.settled == 0 else 1.0
+                t.observe_transfer(p.peer, p.size_bytes, rtt + busy(p.size_bytes) / share, now, probe=True)
+        now = t.next_due(now)
+    assert est.capacity > 0.85 * bw
+    assert t.probe_size("b") <= CFG.link_probe_growth_max * est.capacity * CFG.link_probe_rtts * rtt + 1
+
+
 def test_capacity_samples_expire_after_the_window():
     """Data-plane transfers (no probes while they flow) that read less than an old probe: after
     link_capacity_window the old sample no longer counts."""
