@@ -54,7 +54,7 @@ When to probe (due_probes)
   Settle: after warm-up the gap between probes grows by link_settle_growth per probe, from
   2 * link_min_probe_gap up to T. Hosts of a site that warmed up together may have met on every
   warm-up probe; as all of them thin out, overlaps get rare, and the first clean probe sets the
-  capacity. This costs a one-time log2(T / gap) probes, nothing at steady state.
+  capacity. While settling the capacity only rises (low probes are not re-checked). This costs a one-time log2(T / gap) probes, nothing at steady state.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
   busy link is rarely probed); after k re-checks the next period is (1 + k) * T, so the budget
   holds with re-checks too. Probes are at least as big as the warm-up probe that read the most
@@ -310,16 +310,25 @@ class LinkTable:
             self._settle(sched, probe)
         else:
             self._fold(est.bw, rate, sched, probe, now, 0.0)
-        if probe and not warming:
+        after = probe and not warming
+        # Only a steady-state probe may lower the capacity: while probes settle, those of hosts that
+        # started together still meet often (in both directions: a full uplink also delays ACKs).
+        steady = after and self._settle_gap(sched.settled) >= self.bw_period(peer)
+        if after:
             sched.settled += 1
         if not short:
-            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe, probe and not warming)
+            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe, after, steady)
         sched.short = short and est.bw.n == 1 or (sched.short and short)
         sched.last_bytes = nbytes
         est.bw_at = now
         return True
 
-    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, probe: bool, check: bool) -> None:
+    def _settle_gap(self, settled: int) -> float:
+        cfg = self.cfg
+        return cfg.link_min_probe_gap * cfg.link_settle_growth ** min(settled + 1, 64)
+
+    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, probe: bool, after: bool,
+                         steady: bool) -> None:
         """Fold a trusted sample into the capacity. A steady-state probe that reads well below it is
         re-checked; only when link_capacity_confirm re-checks in a row read low too (a real drop, not
         a probe that met cross traffic) does the capacity fall, to the best of them."""
@@ -329,8 +338,9 @@ class LinkTable:
             sched.full_bytes = s.nbytes                      # a new level
         elif probe and s.rate >= prev * (1 - gain):
             sched.full_bytes = min(sched.full_bytes or s.nbytes, s.nbytes)
-        if check:
+        if after:
             sched.rising = s.rate > prev * (1 + gain)
+        if steady:
             if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
                 sched.dips.append(s)
                 if len(sched.dips) > cfg.link_capacity_confirm:
@@ -434,8 +444,7 @@ class LinkTable:
         elif sched.dips:                                     # re-check a low probe, later each time
             due = est.bw_at + cfg.link_min_probe_gap * cfg.link_settle_growth ** len(sched.dips)
         else:                                                # settle: gaps grow to the steady period
-            settle = cfg.link_min_probe_gap * cfg.link_settle_growth ** min(sched.settled + 1, 64)
-            due = est.bw_at + min(settle, self.bw_period(peer) * (1 + sched.debt))
+            due = est.bw_at + min(self._settle_gap(sched.settled), self.bw_period(peer) * (1 + sched.debt))
         if sched.change_at is not None:
             due = min(due, sched.change_at)
         return max(due, soonest)
