@@ -54,13 +54,19 @@ When to probe (due_probes)
   Settle: after warm-up the gap between probes grows by link_settle_growth per probe, from
   2 * link_min_probe_gap up to T. Hosts of a site that warmed up together may have met on every
   warm-up probe; as all of them thin out, overlaps get rare, and the first clean probe sets the
-  capacity. While settling the capacity only rises (low probes are not re-checked). This costs a one-time log2(T / gap) probes, nothing at steady state.
+  capacity. While settling the capacity only rises (low probes are not re-checked). This costs
+  a one-time log2(T / gap) probes, nothing at steady state.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
   busy link is rarely probed); after k re-checks the next period is (1 + k) * T, so the budget
-  holds with re-checks too. Probes are at least as big as the warm-up probe that read the most
-  (smaller ones read low: TCP restarts slow start after idle).
-- Probe size and period, with B the estimated bandwidth and R the base RTT:
-      S = clamp(B * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
+  holds with re-checks too.
+- After warm-up a probe is at least as big as the smallest one that read the capacity (smaller
+  ones read low: TCP restarts slow start after idle), and twice the previous one while that
+  raised the capacity (the plateau search goes on, since warm-up probes may all have met cross
+  traffic), at most link_probe_growth_max times S below; T follows from the size, so the budget
+  holds whatever the size.
+- Probe size and period, with C the capacity, B the throughput EWMA (what a probe is expected to
+  get, so T is right when probes meet traffic) and R the base RTT:
+      S = clamp(C * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
       P = ping_bytes / (B * link_rtt_interval)          (the share RTT pings take, at most budget/2)
       T = max(link_bw_interval, (S / B) / (link_probe_budget - P))
   A probe occupies the link for S/B seconds once per T seconds, so the steady-state cost of probes
@@ -541,7 +547,7 @@ class LinkMatrix:
             self.entries[(self.self_id, peer)] = MatrixEntry(
                 est.capacity, est.bw.mean if est.bw.n else 0.0, est.bw.spread,
                 est.rtt.mean if est.rtt.n else 0.0, est.rtt.spread, min(est.samples, MAX_SAMPLES), at,
-                est.capacity_at if est.capacity_at is not None else est.bw_at or at)
+                est.capacity_at if est.capacity_at is not None else at)
         self._bound()
 
     def merge(self, entries: Iterable[Mapping[str, Any]], now: float) -> tuple[int, list[str]]:
