@@ -44,7 +44,7 @@ DISCOVERY_BOUND = 30.0       # seconds from `lab up` returning until every daemo
 # Seconds until every host's matrix is complete and accurate. Warm-up takes ~15 s; a link whose
 # warm-up probes all met a site neighbour's probes on the shared uplink reads low until a later,
 # sparser settle probe (2, 4, 8, 16, 32 ... s apart with --link-min-probe-gap 1) gets through.
-MATRIX_BOUND = 150.0
+MATRIX_BOUND = 170.0
 
 
 @pytest.fixture
