@@ -433,6 +433,20 @@ def test_capacity_samples_expire_after_the_window():
     assert est.capacity == pytest.approx(bw / 2, rel=0.01) and len(est.peaks) <= CFG.link_capacity_samples
 
 
+def test_a_probe_already_in_flight_when_a_change_is_seen_does_not_confirm_it():
+    bw, rtt = 1.25e8, 0.001
+    t, now = settled(bw, rtt)
+    est, gap = t.estimate("b"), CFG.link_min_probe_gap
+    now = t._due_at("b", BW)
+    (p,) = [p for p in t.due_probes(now) if p.kind == BW]
+    t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3), now + 0.1)     # seen while it runs
+    t.observe_transfer("b", p.size_bytes, rtt + p.size_bytes / (bw / 3), now + 0.5, probe=True)
+    assert est.bw.mean > 0.5 * bw                           # folded in, not taken as the new level
+    assert t._due_at("b", BW) == pytest.approx(now + gap)   # the change still wants its own probe
+    assert answer(t, now + gap, bw / 3, rtt).count(BW) == 1
+    assert est.bw.mean == pytest.approx(bw / 3, rel=0.01)
+
+
 def test_failures_back_off_and_unreported_probes_expire():
     t = LinkTable("a", CFG)
     t.add_peer("b")

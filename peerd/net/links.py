@@ -340,12 +340,16 @@ class LinkTable:
         a probe that met cross traffic) does the capacity fall, to the best of them."""
         cfg = self.cfg
         prev, gain = (est.capacity if est.peaks else 0.0), cfg.link_warmup_gain
-        if probe and s.rate > prev * (1 + gain):
-            sched.full_bytes = s.nbytes                      # a new level
+        higher = s.rate > prev * (1 + gain)
+        # The plateau search (a new level -> the next probe twice as big) runs while warming up and
+        # settling; in steady state a higher reading is noise or a faster link, and probes of the
+        # size that read the capacity keep reading it: sizes then never grow (nor does T).
+        if probe and higher and not steady:
+            sched.full_bytes = s.nbytes
         elif probe and s.rate >= prev * (1 - gain):
             sched.full_bytes = min(sched.full_bytes or s.nbytes, s.nbytes)
         if after:
-            sched.rising = s.rate > prev * (1 + gain)
+            sched.rising = higher and not steady
         if steady:
             if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
                 sched.dips.append(s)
@@ -381,11 +385,17 @@ class LinkTable:
         off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
         sign = (dev > 0) - (dev < 0)
         if probe:
-            if sched.change_at is not None and off and sign == sched.change_sign:
+            # Only a probe started after the change was seen answers it; one already in flight ran
+            # partly before the change (or beside the transfer that showed it).
+            seen = sched.change_at
+            fresh = seen is not None and sched.started is not None and sched.started >= seen
+            if fresh and off and sign == sched.change_sign:
                 ewma.restart(x)                      # the probe confirms the change
             else:
                 ewma.add(x, a)
             self._settle(sched, probe)
+            if seen is not None and not fresh:
+                sched.change_at = seen               # still due: the next probe answers it
             return
         ewma.add(x, a)
         if off and sched.change_at is None:
