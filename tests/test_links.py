@@ -597,4 +597,8 @@ def test_config_refuses_a_budget_of_one_percent_or_more():
         load(env={"PEERD_LINK_PROBE_BUDGET": "0.01"})
     with pytest.raises(ConfigError, match="link_ewma_alpha"):
         load(env={"PEERD_LINK_EWMA_ALPHA": "1.5"})
+    with pytest.raises(ConfigError, match="link_capacity_dip"):
+        load(env={"PEERD_LINK_CAPACITY_DIP": "1.0"})
+    with pytest.raises(ConfigError, match="link_settle_growth"):
+        load(env={"PEERD_LINK_SETTLE_GROWTH": "1.0"})
     assert load(env={"PEERD_MDNS": "off"}).mdns is False
