@@ -143,6 +143,22 @@ def test_queueing_delay_does_not_inflate_probes_but_a_new_path_does_count():
     assert est.base_rtt == 0.05
 
 
+def test_the_base_rtt_is_the_least_of_its_window_not_the_newest_sample():
+    """Once the least RTT expires, a queued sample (a ping behind a CPU-starved event loop) must not
+    become the base RTT: a transfer would then read fast, and the capacity keeps its highest."""
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    w = CFG.link_rtt_min_window
+    for at, rtt in ((0.0, 0.002), (w / 3, 0.02), (w / 2, 0.01), (w + 1, 0.3)):
+        t.observe_rtt("b", rtt, at, probe=False)
+    est = t.estimate("b")
+    assert est.base_rtt == 0.01
+    t.observe_transfer("b", 4_000_000, 0.01 + 4.0, w + 2)
+    assert est.capacity == pytest.approx(1e6, rel=0.01)     # with the queued RTT taken off: 1.08e6
+    t.observe_rtt("b", 0.4, 2 * w + 1, probe=False)
+    assert est.base_rtt == 0.3                               # the least of the last window
+
+
 def test_a_bursty_first_sample_does_not_linger():
     t = LinkTable("a", CFG)
     t.add_peer("b")

@@ -27,7 +27,8 @@ Estimates
   `seconds` runs from the first byte sent to the peer's acknowledgement, so it contains one RTT;
   we subtract the base RTT R, but never more than half the transfer time:
       sample = bytes / max(seconds - R, seconds / 2)
-  R is the least RTT seen within link_rtt_min_window (the path without queues): pings that
+  R is the least RTT seen within link_rtt_min_window (the path without queues; the least of all
+  samples of the window, not the newest once an older least expired): pings that
   wait behind bulk traffic measure the queue (on an 8 Mbit/s htb link, ~1 s behind a 1 MiB
   transfer), which is right for the RTT estimate but would inflate probe sizes and deflate rates.
   Data-plane transfers smaller than link_min_transfer_bytes, or busy for less than
@@ -108,6 +109,7 @@ MAX_ID_LEN = 128
 MAX_BANDWIDTH = 1e13          # bytes/s (80 Tbit/s): anything above is garbage
 MAX_RTT = 600.0               # seconds
 MAX_SAMPLES = 2**32 - 1
+MAX_RTT_LOWS = 256            # RTT samples kept for the windowed least RTT
 
 
 # ---- estimates ----------------------------------------------------------------------------------
@@ -155,13 +157,26 @@ class LinkEstimate:
     peaks: collections.deque[Sample] = field(default_factory=collections.deque)
     rtt_at: float | None = None                      # time of the last RTT sample
     bw_at: float | None = None                       # time of the last bandwidth sample
-    rtt_min: float = 0.0                             # least RTT seen lately: the path without queues
-    rtt_min_at: float = -math.inf
+    # RTT samples as a monotonic queue (rising from front to back): the front is the least RTT of
+    # the window, the path without queues. Not just the newest sample once the old least expires:
+    # one queued sample taken as the base RTT would make the next transfer read fast (and the
+    # capacity, a maximum, would keep that).
+    rtt_lows: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
 
     @property
     def base_rtt(self) -> float:
         """The RTT without queueing, for sizing probes and taking the RTT off transfer times."""
-        return self.rtt_min if self.rtt.n else 0.0
+        return self.rtt_lows[0][1] if self.rtt_lows else 0.0
+
+    def add_rtt_low(self, at: float, rtt: float, window: float) -> None:
+        lows = self.rtt_lows
+        while lows and lows[-1][1] >= rtt:
+            lows.pop()
+        lows.append((at, rtt))
+        while len(lows) > 1 and lows[0][0] < at - window:
+            lows.popleft()
+        if len(lows) > MAX_RTT_LOWS:
+            del lows[1]                              # keep the least; lose some resolution after it
 
     @property
     def capacity(self) -> float:
@@ -273,8 +288,7 @@ class LinkTable:
         floor = self.cfg.link_rtt_change_floor
         self._fold(est.rtt, seconds, sched, probe, now, floor)
         est.rtt_at = now
-        if est.rtt.n == 1 or seconds <= est.rtt_min or now - est.rtt_min_at > self.cfg.link_rtt_min_window:
-            est.rtt_min, est.rtt_min_at = seconds, now
+        est.add_rtt_low(now, seconds, self.cfg.link_rtt_min_window)
         return True
 
     def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float, probe: bool = False) -> bool:
