@@ -110,6 +110,8 @@ class Config:
                                             "(the highest recent sample; the newest one always counts)")
     link_capacity_samples: int = _f(8, "most recent trusted bandwidth samples kept for the capacity figure")
     link_capacity_dip: float = _f(0.2, "a probe reading more than this fraction below the capacity is re-checked")
+    link_capacity_recheck: float = _f(0.125, "the first re-check of a low probe comes this fraction of the probe "
+                                             "period after it, the next ones link_settle_growth times later each")
     link_capacity_confirm: int = _f(2, "re-checks that must all read low, after a low probe, before the "
                                        "capacity drops to what they read (a real change, not cross traffic)")
     link_probe_growth_max: float = _f(4.0, "after warm-up a probe is at most this many times the size "
@@ -283,6 +285,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"link_probe_growth_max ({cfg.link_probe_growth_max}) must be >= 1")
     if cfg.link_settle_growth <= 1:
         raise ConfigError(f"link_settle_growth ({cfg.link_settle_growth}) must be > 1")
+    if not 0 < cfg.link_capacity_recheck <= 1:
+        raise ConfigError(f"link_capacity_recheck ({cfg.link_capacity_recheck}) must be in (0, 1]")
     if cfg.link_capacity_confirm < 0:
         raise ConfigError(f"link_capacity_confirm ({cfg.link_capacity_confirm}) must be >= 0")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",

@@ -356,11 +356,11 @@ def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity(
     now = t.next_due(now)
     while BW not in probe_all(t, now, bw, rtt, share=0.5):
         now = t.next_due(now)
-    low_at = now
+    low_at, recheck = now, CFG.link_capacity_recheck * t.bw_period("b")
     now = t.next_due(now)
     while BW not in probe_all(t, now, bw, rtt):
         now = t.next_due(now)
-    assert now - low_at == pytest.approx(gap * CFG.link_settle_growth, abs=0.05)   # not a whole period
+    assert now - low_at == pytest.approx(recheck, abs=0.05) and recheck < period / 4    # not a whole period
     assert est.capacity == pytest.approx(bw, rel=0.01)
     # Back to the steady period, which pays for the re-check: probes stay within the budget.
     assert t._due_at("b", BW) == pytest.approx(now + 2 * t.bw_period("b"))
@@ -370,7 +370,8 @@ def test_a_real_drop_is_followed_within_a_period_and_the_rechecks():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
     est, gap, g = t.estimate("b"), CFG.link_min_probe_gap, CFG.link_settle_growth
-    bound = t.bw_period("b") + sum(gap * g ** k for k in range(1, CFG.link_capacity_confirm + 1)) + 1.0
+    bound = t.bw_period("b") * (1 + sum(CFG.link_capacity_recheck * g ** k
+                                        for k in range(CFG.link_capacity_confirm))) + 1.0
     dropped_at = now
     while est.capacity > 1.05 * bw / 3:
         probe_all(t, now, bw / 3, rtt)

@@ -14,7 +14,7 @@ Estimates
   throughput: the EWMA of all samples, probes and data-plane transfers alike: what transfers got
     lately, cross traffic included.
   A steady-state probe that reads more than link_capacity_dip below the capacity is re-checked
-  (link_min_probe_gap * growth^k after it, k = 1, 2, ...). If link_capacity_confirm re-checks in a
+  (link_capacity_recheck * T * growth^(k-1) after it, k = 1, 2, ...; T/8 and T/4 by default). If link_capacity_confirm re-checks in a
   row read low too, the link really got slower: the capacity restarts from those samples. A real
   drop is thus followed within one probe period plus the re-checks (or at once, when a data-plane
   transfer shows it, see Change), and in any case once the higher samples leave the window.
@@ -343,6 +343,13 @@ class LinkTable:
         est.bw_at = now
         return True
 
+    def _recheck_gap(self, peer: str, k: int) -> float:
+        """Before the k-th re-check of a low probe: a fraction of the period, growing, so re-checks
+        sample conditions apart in time (a busy CPU or a neighbour's transfer lasts seconds)."""
+        cfg = self.cfg
+        frac = cfg.link_capacity_recheck * cfg.link_settle_growth ** (k - 1)
+        return max(cfg.link_min_probe_gap, frac * self.bw_period(peer))
+
     def _settle_gap(self, settled: int) -> float:
         cfg = self.cfg
         return cfg.link_min_probe_gap * cfg.link_settle_growth ** min(settled + 1, 64)
@@ -472,7 +479,7 @@ class LinkTable:
         elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
             due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
         elif sched.dips:                                     # re-check a low probe, later each time
-            due = est.bw_at + cfg.link_min_probe_gap * cfg.link_settle_growth ** len(sched.dips)
+            due = est.bw_at + self._recheck_gap(peer, len(sched.dips))
         else:                                                # settle: gaps grow to the steady period
             due = est.bw_at + min(self._settle_gap(sched.settled), self.bw_period(peer) * (1 + sched.debt))
         if sched.change_at is not None:
