@@ -174,7 +174,7 @@ def test_two_sites_every_host_ranks_intra_site_links_above_inter_site_within_25_
 
     def view(h: str) -> dict:
         try:
-            return cli_json(lb, h, "links", timeout=20) or {"links": []}
+            return cli_json(lb, h, "links", timeout=60) or {"links": []}
         except subprocess.TimeoutExpired:       # a CLI start on a loaded machine; the loop is bounded
             return {"links": []}
 
