@@ -181,8 +181,9 @@ def peers(data_dir: str | None, as_json: bool, timeout: float) -> None:
 @json_option
 @timeout_option
 def links(data_dir: str | None, as_json: bool, timeout: float) -> None:
-    """Show the link matrix this host's daemon knows: bandwidth (Mbit/s), RTT (ms) and age of every
-    measured link, each measured by the row's host towards the column's (its own and gossiped)."""
+    """Show the link matrix this host's daemon knows: capacity (Mbit/s, the best recent sample),
+    throughput (Mbit/s, recent average +- spread), RTT (ms) and age of every measured link, each
+    measured by the row's host towards the column's (its own and gossiped)."""
     from google.protobuf.json_format import MessageToDict
 
     from peerd.net.links import render_links

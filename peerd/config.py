@@ -108,6 +108,18 @@ class Config:
     link_retry_max: float = _f(60.0, "longest back-off after failed probes to a peer, seconds")
     link_forget_after: float = _f(900.0, "seconds after which a link estimate nobody refreshed is dropped")
     link_max_entries: int = _f(16384, "most (measurer, target) entries kept in the link matrix")
+    link_capacity_window: float = _f(900.0, "seconds a trusted bandwidth sample counts towards the link's capacity "
+                                            "(the highest recent sample; the newest one always counts)")
+    link_capacity_samples: int = _f(8, "most recent trusted bandwidth samples kept for the capacity figure")
+    link_capacity_dip: float = _f(0.2, "a probe reading more than this fraction below the capacity is re-checked")
+    link_capacity_recheck: float = _f(0.125, "the first re-check of a low probe comes this fraction of the probe "
+                                             "period after it, the next ones link_settle_growth times later each")
+    link_capacity_confirm: int = _f(2, "re-checks that must all read low, after a low probe, before the "
+                                       "capacity drops to what they read (a real change, not cross traffic)")
+    link_probe_growth_max: float = _f(4.0, "after warm-up a probe is at most this many times the size "
+                                           "max(link_probe_seconds, link_probe_rtts x RTT) at the capacity")
+    link_settle_growth: float = _f(2.0, "after warm-up the gap between bandwidth probes grows by this factor per "
+                                        "probe, from 2 x link_min_probe_gap up to the steady period")
 
     # --- data plane (tensor transfers; peerd/net/dataplane.py) ------------------------------------
     dataplane_chunk_bytes: int = _f(1 << 20, "bytes of tensor data per stream message (1 MiB measured best)")
@@ -344,11 +356,22 @@ def validate(cfg: Config) -> None:
     if not 0 < cfg.link_probe_min_bytes <= cfg.link_probe_max_bytes:
         raise ConfigError(f"link_probe_min_bytes ({cfg.link_probe_min_bytes}) must be >0 and at most "
                           f"link_probe_max_bytes ({cfg.link_probe_max_bytes})")
+    if not 0 < cfg.link_capacity_dip < 1:
+        raise ConfigError(f"link_capacity_dip ({cfg.link_capacity_dip}) must be in (0, 1)")
+    if cfg.link_probe_growth_max < 1:
+        raise ConfigError(f"link_probe_growth_max ({cfg.link_probe_growth_max}) must be >= 1")
+    if cfg.link_settle_growth <= 1:
+        raise ConfigError(f"link_settle_growth ({cfg.link_settle_growth}) must be > 1")
+    if not 0 < cfg.link_capacity_recheck <= 1:
+        raise ConfigError(f"link_capacity_recheck ({cfg.link_capacity_recheck}) must be in (0, 1]")
+    if cfg.link_capacity_confirm < 0:
+        raise ConfigError(f"link_capacity_confirm ({cfg.link_capacity_confirm}) must be >= 0")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
-                 "link_gossip_full_interval", "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
+                 "link_capacity_window", "link_gossip_full_interval", "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
-    for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries"):
+    for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries",
+                 "link_capacity_samples"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be >= 1")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):

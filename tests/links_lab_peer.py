@@ -74,7 +74,7 @@ async def probe(target: str, seconds: float, change_file: str, probe_seconds: fl
         def report(peer: str, kind: str, event: str = "estimate") -> None:
             est = table.estimate(peer)
             emit(kind=kind, event=event, mbit_s=est.bw.mean * 8 / 1e6, mbit_s_spread=est.bw.spread * 8 / 1e6,
-                 rtt_ms=est.rtt.mean * 1e3, bw_samples=est.bw.n)
+                 cap_mbit_s=est.capacity * 8 / 1e6, rtt_ms=est.rtt.mean * 1e3, bw_samples=est.bw.n)
 
         async def traffic() -> None:
             while not os.path.exists(change_file):

@@ -5,20 +5,20 @@ Runs as root (CI does); skips only where network namespaces cannot be made.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
-import statistics
 import time
 from pathlib import Path
 
 import pytest
 
 from peerd.config import Config
-from peerd.lab import lab, profile
+from peerd.lab import lab, profile, shaping
 from tests.netns_lab import readline, rest
 
 
@@ -42,7 +42,10 @@ ROGUE = str(Path(__file__).parent / "rogue_peer.py")
 # Faster failure detection and probing than the defaults; nothing that changes what is measured.
 FAST = ("--heartbeat-interval", "0.5", "--link-min-probe-gap", "1")
 DISCOVERY_BOUND = 30.0       # seconds from `lab up` returning until every daemon lists the other 3
-MATRIX_BOUND = 60.0          # seconds until every host's matrix is complete and accurate
+# Seconds until every host's matrix is complete and accurate. Warm-up takes ~15 s; a link whose
+# warm-up probes all met a site neighbour's probes on the shared uplink reads low until a later,
+# sparser settle probe (2, 4, 8, 16, 32 ... s apart with --link-min-probe-gap 1) gets through.
+MATRIX_BOUND = 170.0
 
 
 @pytest.fixture
@@ -52,7 +55,8 @@ def make_lab(tmp_path):
     def make(prof: profile.Profile, **kw) -> lab.Lab:
         d = tmp_path / f"lab{len(made)}"
         made.append(d)
-        lab.up(prof, d, Config(), **kw)
+        # Daemons start slowly on a machine shared by many test runs (seen: > 15 s at load 25).
+        lab.up(prof, d, Config(lab_ready_timeout=max(60.0, Config().lab_ready_timeout)), **kw)
         return lab.Lab(d)
 
     yield make
@@ -60,9 +64,19 @@ def make_lab(tmp_path):
         lab.down(d, Config(), purge=False)
 
 
-def cli_json(lb: lab.Lab, host: str, *args: str):
-    p = lb.run(host, [sys.executable, "-m", "cli.main", *args, "--json"], timeout=30)
+def cli_json(lb: lab.Lab, host: str, *args: str, timeout: float = 30):
+    p = lb.run(host, [sys.executable, "-m", "cli.main", *args, "--json"], timeout=timeout)
     return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def cli_json_patient(lb: lab.Lab, host: str, *args: str):
+    """cli_json where a CLI start may take long (a machine shared by many test runs): one retry."""
+    for timeout in (30, 90):
+        try:
+            return cli_json(lb, host, *args, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    return None
 
 
 def node_ids(lb: lab.Lab) -> dict[str, str]:
@@ -117,61 +131,73 @@ def test_mdns_alone_forms_the_swarm_and_a_rogue_without_the_secret_is_never_adop
     assert hellos <= set(ids.values()) and len(hellos) >= 1
 
 
-def _shaped_bps(lb: lab.Lab) -> dict[tuple[str, str], float]:
-    """(src host, dst host) -> the bottleneck rate the lab shaped that path to, bit/s."""
+def _goodput_bps(lb: lab.Lab) -> dict[tuple[str, str], float]:
+    """(src host, dst host) -> the payload rate the lab's shaping gives that path, bit/s: the
+    bottleneck htb rate times the share of it TCP payload gets (shaping.GOODPUT_RATIO)."""
     out = {}
     for link in lb.state["links"]:
         rates = [r for r in (link["rate_bps"], link["site_rate_bps"]) if r]
-        out[(link["src"], link["dst"])] = float(min(rates))
+        out[(link["src"], link["dst"])] = float(min(rates)) * shaping.GOODPUT_RATIO
     return out
 
 
 def test_two_sites_every_host_ranks_intra_site_links_above_inter_site_within_25_percent(make_lab):
+    t0 = time.monotonic()
     lb = make_lab(profile.load("two-sites"), daemon_args=FAST)
     started = time.monotonic()
-    ids = node_ids(lb)
+    ids = {h: cli_json_patient(lb, h, "status")["node_id"] for h in lb.hosts}
     host_of = {v: k for k, v in ids.items()}
-    shaped = _shaped_bps(lb)
+    want = _goodput_bps(lb)
     site = {h: lb.state["hosts"][h]["site"] for h in lb.hosts}
     pairs = [(a, b) for a in lb.hosts for b in lb.hosts if a != b]
 
+    def ratios(view: dict) -> dict[tuple[str, str], float]:
+        """Measured capacity / expected goodput for each link this view has."""
+        got = {(host_of.get(r["measurer"]), host_of.get(r["target"])): r["capacity_mbit_s"] for r in view["links"]}
+        return {p: got[p] * 1e6 / want[p] for p in pairs if got.get(p, 0) > 0}
+
     def problems(view: dict) -> list[str]:
-        got = {(host_of.get(r["measurer"]), host_of.get(r["target"])): r for r in view["links"]}
-        bad = [f"{a}->{b} missing" for a, b in pairs if (a, b) not in got or got[(a, b)]["mbit_s"] <= 0]
+        # Issue 4's criterion, per link: every rate within 25 % of the shaped goodput, and every
+        # intra-site link above every inter-site link.
+        r = ratios(view)
+        bad = [f"{a}->{b} missing" for a, b in pairs if (a, b) not in r]
+        bad += [f"{a}->{b} at {r[(a, b)]:.0%} of {want[(a, b)] / 1e6:.1f} Mbit/s" for a, b in r
+                if abs(r[(a, b)] - 1) > 0.25]
         if bad:
             return bad
-        # Known limit (issue 4 stays open on it): hosts of one site share its uplink, and probes of
-        # two hosts that overlap there each read about half, so a single inter-site link can stay
-        # low for minutes (seen: 21.6 and 22.1 Mbit/s of 50). What holds every time is asserted:
-        # each intra-site link and the median inter-site link within 25 %, and the ranking.
-        inter_err = []
-        for (a, b) in pairs:
-            want = shaped[(a, b)] / 1e6
-            err = abs(got[(a, b)]["mbit_s"] - want) / want
-            if site[a] != site[b]:
-                inter_err.append(err)
-            if site[a] == site[b] and err > 0.25:
-                bad.append(f"{a}->{b} {got[(a, b)]['mbit_s']:.1f} Mbit/s, shaped {want:.0f}")
-        if statistics.median(inter_err) > 0.25:
-            bad.append(f"median inter-site error {statistics.median(inter_err):.0%}")
-        intra = [got[p]["mbit_s"] for p in pairs if site[p[0]] == site[p[1]]]
-        inter = [got[p]["mbit_s"] for p in pairs if site[p[0]] != site[p[1]]]
+        mbit = {p: r[p] * want[p] / 1e6 for p in pairs}
+        intra = [mbit[p] for p in pairs if site[p[0]] == site[p[1]]]
+        inter = [mbit[p] for p in pairs if site[p[0]] != site[p[1]]]
         if min(intra) <= max(inter):
             bad.append(f"intra-site {min(intra):.1f} not above inter-site {max(inter):.1f}")
         return bad
 
+    def view(h: str) -> dict:
+        try:
+            return cli_json(lb, h, "links", timeout=60) or {"links": []}
+        except subprocess.TimeoutExpired:       # a CLI start on a loaded machine; the loop is bounded
+            return {"links": []}
+
     views: dict[str, dict] = {}
-    while True:
-        views = {h: cli_json(lb, h, "links") or {"links": []} for h in lb.hosts}
-        failing = {h: problems(v) for h, v in views.items()}
-        if not any(failing.values()) or time.monotonic() - started > MATRIX_BOUND:
-            break
-        time.sleep(1.0)
+    # Ends in time to report what failed within the module's 240 s timeout (lab up included).
+    end = min(started + MATRIX_BOUND, t0 + 185)
+    with concurrent.futures.ThreadPoolExecutor(len(lb.hosts)) as pool:   # 4 CLI starts at once
+        while True:
+            views = dict(zip(lb.hosts, pool.map(view, lb.hosts)))
+            failing = {h: problems(v) for h, v in views.items()}
+            if not any(failing.values()) or time.monotonic() > end:
+                break
+            time.sleep(1.0)
     took = time.monotonic() - started
     for h, v in views.items():
         print(f"{h} ({ids[h]}) after {took:.0f} s: " + ", ".join(
-            f"{host_of.get(r['measurer'])}->{host_of.get(r['target'])} {r['mbit_s']:.0f} Mbit/s "
+            f"{host_of.get(r['measurer'])}->{host_of.get(r['target'])} cap {r['capacity_mbit_s']:.0f} "
+            f"thr {r['throughput_mbit_s']:.0f}+-{r['throughput_mbit_s_spread']:.0f} Mbit/s "
             f"{r['rtt_ms']:.1f} ms" for r in v["links"]))
+    worst = max(((abs(x - 1), h, p, x) for h, v in views.items() for p, x in ratios(v).items()), default=None)
+    if worst:
+        print(f"worst link: {worst[2][0]}->{worst[2][1]} in {worst[1]}'s view, {worst[3]:.1%} of the shaped goodput")
     assert not any(failing.values()), failing
-    text = lb.run("h1", [sys.executable, "-m", "cli.main", "links"], timeout=30).stdout
-    assert "bandwidth, Mbit/s" in text and "rtt, ms" in text and f"links seen by {ids['h1']}" in text
+    text = lb.run("h1", [sys.executable, "-m", "cli.main", "links"], timeout=20).stdout
+    assert "capacity, Mbit/s" in text and "throughput, Mbit/s" in text and "rtt, ms" in text
+    assert f"links seen by {ids['h1']}" in text

@@ -143,6 +143,22 @@ def test_queueing_delay_does_not_inflate_probes_but_a_new_path_does_count():
     assert est.base_rtt == 0.05
 
 
+def test_the_base_rtt_is_the_least_of_its_window_not_the_newest_sample():
+    """Once the least RTT expires, a queued sample (a ping behind a CPU-starved event loop) must not
+    become the base RTT: a transfer would then read fast, and the capacity keeps its highest."""
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    w = CFG.link_rtt_min_window
+    for at, rtt in ((0.0, 0.002), (w / 3, 0.02), (w / 2, 0.01), (w + 1, 0.3)):
+        t.observe_rtt("b", rtt, at, probe=False)
+    est = t.estimate("b")
+    assert est.base_rtt == 0.01
+    t.observe_transfer("b", 4_000_000, 0.01 + 4.0, w + 2)
+    assert est.capacity == pytest.approx(1e6, rel=0.01)     # with the queued RTT taken off: 1.08e6
+    t.observe_rtt("b", 0.4, 2 * w + 1, probe=False)
+    assert est.base_rtt == 0.3                               # the least of the last window
+
+
 def test_a_bursty_first_sample_does_not_linger():
     t = LinkTable("a", CFG)
     t.add_peer("b")
@@ -223,7 +239,8 @@ def test_probing_costs_well_under_one_percent_at_steady_state(bw, rtt, noise, se
     assert fraction <= CFG.link_probe_budget * (1 + 2 * noise) + 1e-6
     assert fraction < 0.01
     gaps = [b - a for a, b in zip(bw_starts, bw_starts[1:])]
-    assert max(gaps) <= t.bw_period("b") * (1 + 2 * noise) + 1.0   # ... on schedule
+    # ... on schedule: a period, or as many as the re-checks of a low probe took, to pay for them.
+    assert max(gaps) <= t.bw_period("b") * (1 + CFG.link_capacity_confirm) * (1 + 2 * noise) + 1.0
 
 
 def answer(t, now, bw, rtt):
@@ -279,6 +296,174 @@ def test_change_detection_triggers_a_reprobe_and_a_confirmed_change_resets():
     assert answer(t, now, bw / 3, rtt).count(RTT) == 1
 
 
+# ---- capacity: robust to probes that share a bottleneck ----------------------------------------
+
+def probe_all(t, now, bw, rtt, share=1.0):
+    """Run every due probe; bandwidth probes get `share` of the link (a neighbour's traffic has the
+    rest). Returns the kinds run."""
+    kinds = []
+    for p in t.due_probes(now):
+        if p.kind == RTT:
+            t.observe_rtt(p.peer, rtt, now)
+        else:
+            t.observe_transfer(p.peer, p.size_bytes, rtt + p.size_bytes / (bw * share), now, probe=True)
+        kinds.append(p.kind)
+    return kinds
+
+
+def settled(bw, rtt, cfg=CFG):
+    t = LinkTable("a", cfg)
+    t.add_peer("b")
+    now = 0.0
+    while now < 4 * t.cfg.link_bw_interval + 3600:
+        probe_all(t, now, bw, rtt)
+        now = t.next_due(now)
+    return t, now
+
+
+def test_probes_that_met_cross_traffic_do_not_drag_the_capacity_down():
+    bw, rtt = 6.25e6, 0.04
+    t, now = settled(bw, rtt)
+    est = t.estimate("b")
+    assert est.capacity == pytest.approx(bw, rel=0.01)
+    # A day in which two probes of every three share the bottleneck with a neighbour's (read half):
+    # never link_capacity_confirm + 1 low ones in a row.
+    shares, bw_probes, start = [0.5, 0.5, 1.0] * 1000, 0, now
+    while now < start + 86400:
+        share = shares[bw_probes]
+        bw_probes += probe_all(t, now, bw, rtt, share).count(BW)
+        assert est.capacity == pytest.approx(bw, rel=0.01)
+        now = t.next_due(now)
+    assert bw_probes > 20
+    # The throughput EWMA shows the contention, with its spread; both figures reach the matrix.
+    assert est.bw.mean < 0.9 * bw and est.bw.spread > 0.1 * bw
+    m = LinkMatrix("a", CFG)
+    m.absorb(t)
+    (e,) = m.to_entries(now + 5.0)
+    assert e["capacity_bytes_s"] == pytest.approx(bw, rel=0.01) and e["throughput_bytes_s"] == est.bw.mean
+    assert e["throughput_spread_bytes_s"] == est.bw.spread and e["rtt_spread_s"] == est.rtt.spread
+    assert e["capacity_age_s"] == pytest.approx(now + 5.0 - est.capacity_at) and e["capacity_age_s"] >= e["age_s"]
+    shown = control_pb2.LinkMeasurement(**e)                 # `peerd links` carries every figure
+    assert shown.throughput_spread_bytes_s == pytest.approx(est.bw.spread)
+    assert m.bandwidth("a", "b") == e["capacity_bytes_s"]    # sync policies plan with the capacity
+
+
+def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity():
+    bw, rtt = 6.25e6, 0.04
+    t, now = settled(bw, rtt)
+    est, gap = t.estimate("b"), CFG.link_min_probe_gap
+    period = t.bw_period("b")
+    now = t.next_due(now)
+    while BW not in probe_all(t, now, bw, rtt, share=0.5):
+        now = t.next_due(now)
+    low_at, recheck = now, CFG.link_capacity_recheck * t.bw_period("b")
+    now = t.next_due(now)
+    while BW not in probe_all(t, now, bw, rtt):
+        now = t.next_due(now)
+    assert now - low_at == pytest.approx(recheck, abs=0.05) and recheck < period / 4    # not a whole period
+    assert est.capacity == pytest.approx(bw, rel=0.01)
+    # Back to the steady period, which pays for the re-check: probes stay within the budget.
+    assert t._due_at("b", BW) == pytest.approx(now + 2 * t.bw_period("b"))
+
+
+def test_a_real_drop_is_followed_within_a_period_and_the_rechecks():
+    bw, rtt = 6.25e6, 0.04
+    t, now = settled(bw, rtt)
+    est, gap, g = t.estimate("b"), CFG.link_min_probe_gap, CFG.link_settle_growth
+    bound = t.bw_period("b") * (1 + sum(CFG.link_capacity_recheck * g ** k
+                                        for k in range(CFG.link_capacity_confirm))) + 1.0
+    dropped_at = now
+    while est.capacity > 1.05 * bw / 3:
+        probe_all(t, now, bw / 3, rtt)
+        now = t.next_due(now)
+        assert now - dropped_at <= bound, f"capacity {est.capacity:.3g} still above {bw / 3:.3g}"
+    assert est.capacity == pytest.approx(bw / 3, rel=0.01)
+
+
+def test_warm_up_under_cross_traffic_is_corrected_by_the_settle_probes():
+    """Hosts of one site start together: every warm-up probe shares the uplink (reads half). Probes
+    then thin out (gaps 2, 4, 8 ... x link_min_probe_gap), and the first clean one sets the capacity."""
+    bw, rtt, gap, g = 6.25e6, 0.04, CFG.link_min_probe_gap, CFG.link_settle_growth
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    est, sched, now, starts = t.estimate("b"), t._sched[("b", BW)], 0.0, []
+    while sched.settled == 0:
+        probe_all(t, now, bw, rtt, share=0.5)
+        now = t.next_due(now)
+    assert est.capacity == pytest.approx(bw / 2, rel=0.02)     # the first settle probe met traffic too
+    shared_at = est.bw_at
+    while not starts:
+        if BW in probe_all(t, now, bw, rtt):
+            starts.append(now)
+            assert est.capacity == pytest.approx(bw, rel=0.01)
+        now = t.next_due(now)
+    assert starts[0] - shared_at == pytest.approx(gap * g ** 2, abs=0.05)
+    while now < shared_at + 200:
+        if BW in probe_all(t, now, bw, rtt):
+            starts.append(now)
+        now = t.next_due(now)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:3] == pytest.approx([gap * g ** 3, gap * g ** 4, gap * g ** 5], abs=0.05)
+    # While probes settle, low ones (hosts that started together still meet) never lower it.
+    while t._settle_gap(sched.settled) < t.bw_period("b"):
+        probe_all(t, now, bw, rtt, share=0.5)
+        now = t.next_due(now)
+        assert est.capacity == pytest.approx(bw, rel=0.01)
+
+
+def test_the_plateau_search_goes_on_after_a_warm_up_under_cross_traffic():
+    """A path whose rate grows with transfer size (slow start after idle), every warm-up probe
+    sharing it (half): the first clean settle probe raises the capacity, so the next one is twice
+    as big, until the rate stops rising. Without that the capacity stays at what a probe sized from
+    the contended estimate reads."""
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    bw, rtt, now = 6.25e6, 0.045, 0.0
+    est, sched = t.estimate("b"), t._sched[("b", BW)]
+    ramp = 14_480 * 2 ** 5                  # bytes sent during ~5 RTTs of slow start from 10 segments
+
+    def busy(n: int) -> float:
+        return 5 * rtt + (n - ramp) / bw if n > ramp else rtt * math.log2(1 + n / 14_480)
+    while now < 60.0:
+        for p in t.due_probes(now):
+            if p.kind == RTT:
+                t.observe_rtt(p.peer, rtt, now)
+            else:
+                share = 0.5 if sched.settled == 0 else 1.0
+                t.observe_transfer(p.peer, p.size_bytes, rtt + busy(p.size_bytes) / share, now, probe=True)
+        now = t.next_due(now)
+    assert est.capacity > 0.85 * bw
+    assert t.probe_size("b") <= CFG.link_probe_growth_max * est.capacity * CFG.link_probe_rtts * rtt + 1
+
+
+def test_capacity_samples_expire_after_the_window():
+    """Data-plane transfers (no probes while they flow) that read less than an old probe: after
+    link_capacity_window the old sample no longer counts."""
+    bw, rtt = 6.25e6, 0.04
+    t, now = settled(bw, rtt)
+    est, high_at, size = t.estimate("b"), t.estimate("b").capacity_at, 4_000_000
+    while now < high_at + CFG.link_capacity_window + 30:
+        assert t.observe_transfer("b", size, rtt + size / (bw / 2), now)
+        assert est.capacity == pytest.approx(bw if now - high_at <= CFG.link_capacity_window else bw / 2, rel=0.01)
+        assert BW not in {p.kind for p in t.due_probes(now)}
+        now += 10.0
+    assert est.capacity == pytest.approx(bw / 2, rel=0.01) and len(est.peaks) <= CFG.link_capacity_samples
+
+
+def test_a_probe_already_in_flight_when_a_change_is_seen_does_not_confirm_it():
+    bw, rtt = 1.25e8, 0.001
+    t, now = settled(bw, rtt)
+    est, gap = t.estimate("b"), CFG.link_min_probe_gap
+    now = t._due_at("b", BW)
+    (p,) = [p for p in t.due_probes(now) if p.kind == BW]
+    t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3), now + 0.1)     # seen while it runs
+    t.observe_transfer("b", p.size_bytes, rtt + p.size_bytes / (bw / 3), now + 0.5, probe=True)
+    assert est.bw.mean > 0.5 * bw                           # folded in, not taken as the new level
+    assert t._due_at("b", BW) == pytest.approx(now + gap)   # the change still wants its own probe
+    assert answer(t, now + gap, bw / 3, rtt).count(BW) == 1
+    assert est.bw.mean == pytest.approx(bw / 3, rel=0.01)
+
+
 def test_failures_back_off_and_unreported_probes_expire():
     t = LinkTable("a", CFG)
     t.add_peer("b")
@@ -303,8 +488,9 @@ def test_failures_back_off_and_unreported_probes_expire():
 
 # ---- the matrix --------------------------------------------------------------------------------
 
-def entry(m, t, age, bw=1e6, rtt=0.01, n=3):
-    return {"measurer": m, "target": t, "bandwidth_bps": bw, "bandwidth_spread_bps": 0.0,
+def entry(m, t, age, bw=1e6, rtt=0.01, n=3, cap=None):
+    return {"measurer": m, "target": t, "capacity_bytes_s": bw if cap is None else cap, "capacity_age_s": age,
+            "throughput_bytes_s": bw, "throughput_spread_bytes_s": 0.0,
             "rtt_s": rtt, "rtt_spread_s": 0.0, "samples": n, "age_s": age}
 
 
@@ -322,7 +508,9 @@ def test_gossip_form_matches_the_proto_and_survives_clock_skew():
     (back,) = receiver.to_entries(now=50.0 + skew + 2.0)
     (orig,) = sender.to_entries(now=52.0)
     assert back["age_s"] == pytest.approx(orig["age_s"])
-    assert back["bandwidth_bps"] == pytest.approx(1.25e6, rel=1e-6)
+    assert back["throughput_bytes_s"] == pytest.approx(1.25e6, rel=1e-6)
+    assert back["capacity_bytes_s"] == pytest.approx(1.25e6, rel=1e-6)
+    assert back["capacity_age_s"] == pytest.approx(orig["capacity_age_s"])
 
 
 @settings(max_examples=60, deadline=None)
@@ -339,7 +527,7 @@ def test_merge_newest_wins_whatever_the_order(gossip):
         born = at - age
         if (meas, targ) not in best or born > best[(meas, targ)][0]:
             best[(meas, targ)] = (born, bw)
-    assert {k: e.bandwidth_bps for k, e in m.entries.items()} == {k: v[1] for k, v in best.items()}
+    assert {k: e.capacity_bytes_s for k, e in m.entries.items()} == {k: v[1] for k, v in best.items()}
 
 
 def test_own_rows_are_never_overwritten_by_gossip():
@@ -403,16 +591,18 @@ def test_render_text_and_json():
     assert "alpha" in lines[3] and lines[4].startswith("alpha")   # self first
     js = json.loads(render_links(m.to_dict(now=100.0), fmt="json"))
     row = next(r for r in js["links"] if r["target"] == "gamma")
-    assert row["mbit_s"] == pytest.approx(10.0) and row["rtt_ms"] == pytest.approx(50.0) and row["age_s"] == 40
+    assert row["capacity_mbit_s"] == pytest.approx(10.0) and row["throughput_mbit_s"] == pytest.approx(10.0)
+    assert row["rtt_ms"] == pytest.approx(50.0) and row["age_s"] == 40 and row["capacity_age_s"] == 40
 
 
 def test_render_accepts_the_links_reply_and_long_ids():
     long_a, long_b = "node-" + "a" * 30, "node-" + "a" * 29 + "b"
     reply = control_pb2.LinksReply(node_id=long_a, links=[
-        control_pb2.LinkMeasurement(measurer=long_a, target=long_b, bandwidth_bps=1.25e8, rtt_s=0.001,
-                                    age_s=0.0, samples=4)])
+        control_pb2.LinkMeasurement(measurer=long_a, target=long_b, capacity_bytes_s=1.25e8,
+                                    throughput_bytes_s=1e8, throughput_spread_bytes_s=2.5e6, rtt_s=0.001,
+                                    rtt_spread_s=0.0002, age_s=0.0, samples=4)])
     text = render_links(MessageToDict(reply, preserving_proto_field_name=True))   # age_s=0 is omitted
-    assert "1000.0" in text and "n0 = " + long_a in text
+    assert "1000.0" in text and "800.0+-20.0" in text and "1.00+-0.20" in text and "n0 = " + long_a in text
     assert "no link measured yet" in render_links({"node_id": "x", "links": []})
     with pytest.raises(ValueError, match="fmt"):
         render_links({}, fmt="xml")
@@ -424,4 +614,8 @@ def test_config_refuses_a_budget_of_one_percent_or_more():
         load(env={"PEERD_LINK_PROBE_BUDGET": "0.01"})
     with pytest.raises(ConfigError, match="link_ewma_alpha"):
         load(env={"PEERD_LINK_EWMA_ALPHA": "1.5"})
+    with pytest.raises(ConfigError, match="link_capacity_dip"):
+        load(env={"PEERD_LINK_CAPACITY_DIP": "1.0"})
+    with pytest.raises(ConfigError, match="link_settle_growth"):
+        load(env={"PEERD_LINK_SETTLE_GROWTH": "1.0"})
     assert load(env={"PEERD_MDNS": "off"}).mdns is False

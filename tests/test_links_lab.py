@@ -65,12 +65,17 @@ def test_estimates_follow_a_shaped_link_and_its_change(lab):
     print(*[e for e in events if e.get("kind") != "rtt"], sep="\n")
     dp = next(i for i, e in enumerate(events) if e["event"] == "observed")
     before = [e for e in events[:dp] if e["event"] == "estimate" and e["kind"] == "bw"]
-    after = [e for e in events[dp + 1:] if e["event"] == "estimate" and e["kind"] == "bw"]
-    assert 0.85 * 40 < before[-1]["mbit_s"] <= 40.0 * 1.05
+    # The estimates after the first bandwidth probe that started after the slow transfer was seen
+    # (one already in flight then, a settle probe, may straddle the change and does not confirm it).
+    first = next(i for i, e in enumerate(events) if i > dp and e["event"] == "start" and e["kind"] == "bw")
+    after = [e for e in events[first + 1:] if e["event"] == "estimate" and e["kind"] == "bw"]
+    # The capacity (probes that met the harness's own traffic or a busy CPU read low, never high).
+    assert 0.85 * 40 < before[-1]["cap_mbit_s"] <= 40.0 * 1.05
     assert before[-1]["rtt_ms"] < 20
     # The slow data-plane transfer made a probe due at once (the periodic schedule would wait 60 s
-    # or more; the probe itself takes about 0.8 s at 8 Mbit); it confirmed, and the estimate jumped.
-    assert after and after[0]["t"] - events[dp]["t"] < 3.0
+    # or more; the probe itself takes about 1.2 s at 8 Mbit, after one in flight if there was one);
+    # it confirmed, and the estimate jumped.
+    assert after and after[0]["t"] - events[dp]["t"] < 5.0
     assert 0.85 * 8 < after[0]["mbit_s"] <= 8.0 * 1.15      # htb keeps some burst across `class change`
     server.kill()
 

@@ -5,7 +5,20 @@ host). The daemon runs the probes LinkTable asks for, feeds back what it observe
 LinkMatrix entries into heartbeat gossip.
 
 Estimates
-- RTT (seconds) and bandwidth (bytes/s, measurer -> target) are exponentially weighted moving
+- Two bandwidth figures (bytes/s, measurer -> target):
+  capacity: what the path carries, the highest trusted sample within link_capacity_window. A probe
+    that shares a bottleneck with other traffic (another host of the site probing through the same
+    uplink, the data plane) reads low, never high, so the best recent sample is the robust figure
+    and an EWMA is not. Kept as a monotonic queue (rates fall from front to back, at most
+    link_capacity_samples): O(1) amortized, and the newest sample always counts.
+  throughput: the EWMA of all samples, probes and data-plane transfers alike: what transfers got
+    lately, cross traffic included.
+  A steady-state probe that reads more than link_capacity_dip below the capacity is re-checked
+  (link_capacity_recheck * T * growth^(k-1) after it, k = 1, 2, ...; T/8 and T/4 by default). If link_capacity_confirm re-checks in a
+  row read low too, the link really got slower: the capacity restarts from those samples. A real
+  drop is thus followed within one probe period plus the re-checks (or at once, when a data-plane
+  transfer shows it, see Change), and in any case once the higher samples leave the window.
+- RTT (seconds) and throughput are exponentially weighted moving
   averages with an exponentially weighted variance (West/Finch incremental form):
       d = x - mean;  mean += a*d;  var = (1 - a) * (var + a*d*d)
   `spread` is sqrt(var), in the unit of the mean. Each estimate keeps its sample count and the
@@ -14,7 +27,8 @@ Estimates
   `seconds` runs from the first byte sent to the peer's acknowledgement, so it contains one RTT;
   we subtract the base RTT R, but never more than half the transfer time:
       sample = bytes / max(seconds - R, seconds / 2)
-  R is the least RTT seen within link_rtt_min_window (the path without queues): pings that
+  R is the least RTT seen within link_rtt_min_window (the path without queues; the least of all
+  samples of the window, not the newest once an older least expired): pings that
   wait behind bulk traffic measure the queue (on an 8 Mbit/s htb link, ~1 s behind a 1 MiB
   transfer), which is right for the RTT estimate but would inflate probe sizes and deflate rates.
   Data-plane transfers smaller than link_min_transfer_bytes, or busy for less than
@@ -38,10 +52,22 @@ When to probe (due_probes)
   started together warm up together, and probes through a shared bottleneck each measure a
   fraction of it (cross traffic only lowers a sample). The daemon also starts each bulk probe
   after a random delay, so steady-state probes of different hosts rarely meet.
+  Settle: after warm-up the gap between probes grows by link_settle_growth per probe, from
+  2 * link_min_probe_gap up to T. Hosts of a site that warmed up together may have met on every
+  warm-up probe; as all of them thin out, overlaps get rare, and the first clean probe sets the
+  capacity. While settling the capacity only rises (low probes are not re-checked). This costs
+  a one-time log2(T / gap) probes, nothing at steady state.
   Afterwards a probe is due when the estimate is older than T (data-plane samples refresh it, so a
-  busy link is rarely probed).
-- Probe size and period, with B the estimated bandwidth and R the base RTT:
-      S = clamp(B * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
+  busy link is rarely probed); after k re-checks the next period is (1 + k) * T, so the budget
+  holds with re-checks too.
+- After warm-up a probe is at least as big as the smallest one that read the capacity (smaller
+  ones read low: TCP restarts slow start after idle), and twice the previous one while that
+  raised the capacity (the plateau search goes on, since warm-up probes may all have met cross
+  traffic), at most link_probe_growth_max times S below; T follows from the size, so the budget
+  holds whatever the size.
+- Probe size and period, with C the capacity, B the throughput EWMA (what a probe is expected to
+  get, so T is right when probes meet traffic) and R the base RTT:
+      S = clamp(C * max(link_probe_seconds, link_probe_rtts * R), link_probe_min_bytes, link_probe_max_bytes)
       P = ping_bytes / (B * link_rtt_interval)          (the share RTT pings take, at most budget/2)
       T = max(link_bw_interval, (S / B) / (link_probe_budget - P))
   A probe occupies the link for S/B seconds once per T seconds, so the steady-state cost of probes
@@ -62,12 +88,15 @@ The matrix and gossip
   the receiver turns an age into its own clock as `now - age_s`. The newer entry wins. This node's
   own rows come only from its LinkTable, never from gossip. Entries older than link_forget_after
   are dropped; at most link_max_entries are kept (the oldest go first).
-- The dict form of one entry uses the field names of peer.proto's LinkEntry: measurer, target,
-  bandwidth_bps (bytes/s, as that proto documents), bandwidth_spread_bps, rtt_s, rtt_spread_s,
-  samples, age_s. Zero means "not measured".
+- The dict form of one entry uses the field names of peer.proto's LinkEntry (and control.proto's
+  LinkMeasurement): measurer, target, capacity_bytes_s, capacity_age_s (age of the sample that
+  sets the capacity), throughput_bytes_s, throughput_spread_bytes_s, rtt_s, rtt_spread_s,
+  samples, age_s. Zero means "not measured". `bandwidth()` (and so expected_times) is the
+  capacity; the throughput where no sample was trusted.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 from dataclasses import dataclass, field
@@ -80,6 +109,7 @@ MAX_ID_LEN = 128
 MAX_BANDWIDTH = 1e13          # bytes/s (80 Tbit/s): anything above is garbage
 MAX_RTT = 600.0               # seconds
 MAX_SAMPLES = 2**32 - 1
+MAX_RTT_LOWS = 256            # RTT samples kept for the windowed least RTT
 
 
 # ---- estimates ----------------------------------------------------------------------------------
@@ -110,20 +140,63 @@ class Ewma:
         return math.sqrt(max(self.var, 0.0))
 
 
+@dataclass(frozen=True)
+class Sample:
+    at: float                 # this host's clock
+    rate: float               # bytes/s
+    nbytes: int
+
+
 @dataclass
 class LinkEstimate:
     """This node's estimate of its link to one peer."""
     rtt: Ewma = field(default_factory=Ewma)          # seconds
-    bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer
+    bw: Ewma = field(default_factory=Ewma)           # bytes/s, this node -> peer: recent throughput
+    # Trusted bandwidth samples as a monotonic queue: rates strictly fall from front to back, so
+    # the front is the highest sample of the window and the back the newest sample.
+    peaks: collections.deque[Sample] = field(default_factory=collections.deque)
     rtt_at: float | None = None                      # time of the last RTT sample
     bw_at: float | None = None                       # time of the last bandwidth sample
-    rtt_min: float = 0.0                             # least RTT seen lately: the path without queues
-    rtt_min_at: float = -math.inf
+    # RTT samples as a monotonic queue (rising from front to back): the front is the least RTT of
+    # the window, the path without queues. Not just the newest sample once the old least expires:
+    # one queued sample taken as the base RTT would make the next transfer read fast (and the
+    # capacity, a maximum, would keep that).
+    rtt_lows: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
 
     @property
     def base_rtt(self) -> float:
         """The RTT without queueing, for sizing probes and taking the RTT off transfer times."""
-        return self.rtt_min if self.rtt.n else 0.0
+        return self.rtt_lows[0][1] if self.rtt_lows else 0.0
+
+    def add_rtt_low(self, at: float, rtt: float, window: float) -> None:
+        lows = self.rtt_lows
+        while lows and lows[-1][1] >= rtt:
+            lows.pop()
+        lows.append((at, rtt))
+        while len(lows) > 1 and lows[0][0] < at - window:
+            lows.popleft()
+        if len(lows) > MAX_RTT_LOWS:
+            del lows[1]                              # keep the least; lose some resolution after it
+
+    @property
+    def capacity(self) -> float:
+        """Bytes/s the path carries: the highest trusted sample within link_capacity_window (cross
+        traffic only lowers a sample). The throughput EWMA while no sample is trusted; 0: unknown."""
+        if self.peaks:
+            return self.peaks[0].rate
+        return self.bw.mean if self.bw.n else 0.0
+
+    @property
+    def capacity_at(self) -> float | None:
+        """When the sample that sets the capacity was taken (None: no trusted sample)."""
+        return self.peaks[0].at if self.peaks else None
+
+    def add_peak(self, s: Sample, window: float, most: int) -> None:
+        while self.peaks and self.peaks[-1].rate <= s.rate:
+            self.peaks.pop()                         # never the max again while s is in the window
+        self.peaks.append(s)
+        while len(self.peaks) > 1 and (self.peaks[0].at < s.at - window or len(self.peaks) > most):
+            self.peaks.popleft()
 
     @property
     def samples(self) -> int:
@@ -160,6 +233,11 @@ class _Schedule:
     short: bool = False               # the estimate rests only on too-short bandwidth samples
     last_bytes: int = 0               # size of the last bandwidth sample
     flat: int = 0                     # warm-up: trusted probes in a row that did not raise the estimate
+    full_bytes: int = 0               # smallest probe that read the capacity (within link_warmup_gain)
+    rising: bool = False              # the last trusted probe raised the capacity by more than link_warmup_gain
+    settled: int = 0                  # trusted probes since warm-up (their gap grows with this)
+    dips: list[Sample] = field(default_factory=list)   # probes in a row that read below the capacity
+    debt: int = 0                     # re-check probes the next period must pay for (the budget holds)
 
 
 class LinkTable:
@@ -210,8 +288,7 @@ class LinkTable:
         floor = self.cfg.link_rtt_change_floor
         self._fold(est.rtt, seconds, sched, probe, now, floor)
         est.rtt_at = now
-        if est.rtt.n == 1 or seconds <= est.rtt_min or now - est.rtt_min_at > self.cfg.link_rtt_min_window:
-            est.rtt_min, est.rtt_min_at = seconds, now
+        est.add_rtt_low(now, seconds, self.cfg.link_rtt_min_window)
         return True
 
     def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float, probe: bool = False) -> bool:
@@ -230,6 +307,7 @@ class LinkTable:
         if not probe and busy < self.cfg.link_min_transfer_seconds:
             return False                              # latency-dominated: says little about bandwidth
         sched = self._sched[(peer, BW)]
+        warming = self._warming(est, sched)
         # Too short to trust: RTT-dominated (the floor above applied), or under half a probe's time
         # when a bigger probe was allowed (the first probe, small traffic: bursts and buffers rule).
         short = seconds - rtt < seconds / 2 or (
@@ -239,7 +317,7 @@ class LinkTable:
             # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
             est.bw.restart(rate)
             self._settle(sched, probe)
-        elif probe and not short and self._warming(est, sched):
+        elif probe and not short and warming:
             # Warm-up keeps the highest trusted probe: hosts started together warm up together, and
             # probes through a shared bottleneck (a site uplink) each get a fraction of it; cross
             # traffic only ever lowers a trusted sample.
@@ -252,10 +330,61 @@ class LinkTable:
             self._settle(sched, probe)
         else:
             self._fold(est.bw, rate, sched, probe, now, 0.0)
+        after = probe and not warming
+        # Only a steady-state probe may lower the capacity: while probes settle, those of hosts that
+        # started together still meet often (in both directions: a full uplink also delays ACKs).
+        steady = after and self._settle_gap(sched.settled) >= self.bw_period(peer)
+        if after:
+            sched.settled += 1
+        if not short:
+            self._capacity_sample(est, sched, Sample(now, rate, nbytes), probe, after, steady)
         sched.short = short and est.bw.n == 1 or (sched.short and short)
         sched.last_bytes = nbytes
         est.bw_at = now
         return True
+
+    def _recheck_gap(self, peer: str, k: int) -> float:
+        """Before the k-th re-check of a low probe: a fraction of the period, growing, so re-checks
+        sample conditions apart in time (a busy CPU or a neighbour's transfer lasts seconds)."""
+        cfg = self.cfg
+        frac = cfg.link_capacity_recheck * cfg.link_settle_growth ** (k - 1)
+        return max(cfg.link_min_probe_gap, frac * self.bw_period(peer))
+
+    def _settle_gap(self, settled: int) -> float:
+        cfg = self.cfg
+        return cfg.link_min_probe_gap * cfg.link_settle_growth ** min(settled + 1, 64)
+
+    def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, probe: bool, after: bool,
+                         steady: bool) -> None:
+        """Fold a trusted sample into the capacity. A steady-state probe that reads well below it is
+        re-checked; only when link_capacity_confirm re-checks in a row read low too (a real drop, not
+        a probe that met cross traffic) does the capacity fall, to the best of them."""
+        cfg = self.cfg
+        prev, gain = (est.capacity if est.peaks else 0.0), cfg.link_warmup_gain
+        higher = s.rate > prev * (1 + gain)
+        # The plateau search (a new level -> the next probe twice as big) runs while warming up and
+        # settling; in steady state a higher reading is noise or a faster link, and probes of the
+        # size that read the capacity keep reading it: sizes then never grow (nor does T).
+        if probe and higher and not steady:
+            sched.full_bytes = s.nbytes
+        elif probe and s.rate >= prev * (1 - gain):
+            sched.full_bytes = min(sched.full_bytes or s.nbytes, s.nbytes)
+        if after:
+            sched.rising = higher and not steady
+        if steady:
+            if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
+                sched.dips.append(s)
+                if len(sched.dips) > cfg.link_capacity_confirm:
+                    est.peaks.clear()
+                    for d in sched.dips:
+                        est.add_peak(d, cfg.link_capacity_window, cfg.link_capacity_samples)
+                    sched.debt, sched.dips = len(sched.dips) - 1, []
+                    sched.full_bytes = est.peaks[0].nbytes
+                    return
+            else:
+                sched.debt = len(sched.dips) if sched.dips else 0
+                sched.dips.clear()
+        est.add_peak(s, cfg.link_capacity_window, cfg.link_capacity_samples)
 
     def _warming(self, est: LinkEstimate, sched: _Schedule) -> bool:
         """Warm-up: too few samples, or the estimate still rises with bigger probes (TCP ramp-up
@@ -277,11 +406,17 @@ class LinkTable:
         off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
         sign = (dev > 0) - (dev < 0)
         if probe:
-            if sched.change_at is not None and off and sign == sched.change_sign:
+            # Only a probe started after the change was seen answers it; one already in flight ran
+            # partly before the change (or beside the transfer that showed it).
+            seen = sched.change_at
+            fresh = seen is not None and sched.started is not None and sched.started >= seen
+            if fresh and off and sign == sched.change_sign:
                 ewma.restart(x)                      # the probe confirms the change
             else:
                 ewma.add(x, a)
             self._settle(sched, probe)
+            if seen is not None and not fresh:
+                sched.change_at = seen               # still due: the next probe answers it
             return
         ewma.add(x, a)
         if off and sched.change_at is None:
@@ -306,10 +441,16 @@ class LinkTable:
         if est.bw.n == 0 or est.bw.mean <= 0:
             return cfg.link_probe_min_bytes
         duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
-        size = est.bw.mean * duration
+        base = est.capacity * duration
         sched = self._sched[(peer, BW)]
         if not sched.short and sched.last_bytes and self._warming(est, sched):
-            size = max(size, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
+            size = max(base, 2 * sched.last_bytes)    # warm-up: does a twice bigger probe read faster?
+        else:
+            # At least as big as the probe that read the capacity (smaller ones read low: TCP
+            # restarts slow start after idle), and twice the last while that raised the capacity: the
+            # plateau search goes on after warm-up, whose probes may all have met cross traffic.
+            size = max(base, sched.full_bytes, 2 * sched.last_bytes if sched.rising else 0)
+            size = min(size, cfg.link_probe_growth_max * base)
         return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, size)))
 
     def bw_period(self, peer: str) -> float:
@@ -337,8 +478,10 @@ class LinkTable:
             due = -math.inf
         elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
             due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
-        else:
-            due = est.bw_at + self.bw_period(peer)
+        elif sched.dips:                                     # re-check a low probe, later each time
+            due = est.bw_at + self._recheck_gap(peer, len(sched.dips))
+        else:                                                # settle: gaps grow to the steady period
+            due = est.bw_at + min(self._settle_gap(sched.settled), self.bw_period(peer) * (1 + sched.debt))
         if sched.change_at is not None:
             due = min(due, sched.change_at)
         return max(due, soonest)
@@ -380,16 +523,20 @@ class LinkTable:
 
 @dataclass
 class MatrixEntry:
-    bandwidth_bps: float          # bytes/s, measurer -> target; 0 when not measured
-    bandwidth_spread_bps: float
+    capacity_bytes_s: float       # measurer -> target: highest recent trusted sample; 0 when not measured
+    throughput_bytes_s: float     # EWMA of all bandwidth samples (probes and data-plane transfers)
+    throughput_spread_bytes_s: float
     rtt_s: float                  # 0 when not measured
     rtt_spread_s: float
     samples: int
     updated_at: float             # this host's clock
+    capacity_at: float            # this host's clock: when the capacity's sample was taken
 
     def to_dict(self, measurer: str, target: str, now: float) -> dict[str, Any]:
-        return {"measurer": measurer, "target": target, "bandwidth_bps": self.bandwidth_bps,
-                "bandwidth_spread_bps": self.bandwidth_spread_bps, "rtt_s": self.rtt_s,
+        return {"measurer": measurer, "target": target, "capacity_bytes_s": self.capacity_bytes_s,
+                "capacity_age_s": max(0.0, now - self.capacity_at),
+                "throughput_bytes_s": self.throughput_bytes_s,
+                "throughput_spread_bytes_s": self.throughput_spread_bytes_s, "rtt_s": self.rtt_s,
                 "rtt_spread_s": self.rtt_spread_s, "samples": self.samples,
                 "age_s": max(0.0, now - self.updated_at)}
 
@@ -429,8 +576,9 @@ class LinkMatrix:
             if at is None:
                 continue
             self.entries[(self.self_id, peer)] = MatrixEntry(
-                est.bw.mean if est.bw.n else 0.0, est.bw.spread, est.rtt.mean if est.rtt.n else 0.0,
-                est.rtt.spread, min(est.samples, MAX_SAMPLES), at)
+                est.capacity, est.bw.mean if est.bw.n else 0.0, est.bw.spread,
+                est.rtt.mean if est.rtt.n else 0.0, est.rtt.spread, min(est.samples, MAX_SAMPLES), at,
+                est.capacity_at if est.capacity_at is not None else at)
         self._bound()
 
     def merge(self, entries: Iterable[Mapping[str, Any]], now: float) -> tuple[int, list[str]]:
@@ -450,10 +598,11 @@ class LinkMatrix:
                 samples = d.get("samples", 0)
                 if isinstance(samples, bool) or not isinstance(samples, int) or not 0 <= samples <= MAX_SAMPLES:
                     raise BadEntry(f"samples={samples!r} is not a count")
-                entry = MatrixEntry(_num(d, "bandwidth_bps", MAX_BANDWIDTH),
-                                    _num(d, "bandwidth_spread_bps", MAX_BANDWIDTH),
+                entry = MatrixEntry(_num(d, "capacity_bytes_s", MAX_BANDWIDTH),
+                                    _num(d, "throughput_bytes_s", MAX_BANDWIDTH),
+                                    _num(d, "throughput_spread_bytes_s", MAX_BANDWIDTH),
                                     _num(d, "rtt_s", MAX_RTT), _num(d, "rtt_spread_s", MAX_RTT),
-                                    samples, now - age)
+                                    samples, now - age, now - _num(d, "capacity_age_s", math.inf))
             except BadEntry as e:
                 refused.append(str(e))
                 continue
@@ -488,11 +637,12 @@ class LinkMatrix:
         return self.entries.get((measurer, target))
 
     def bandwidth(self, a: str, b: str, symmetric: bool = True) -> float | None:
-        """Estimated bytes/s from a to b; with `symmetric`, b's measurement towards a as a fallback."""
+        """Capacity a -> b in bytes/s (the throughput EWMA where no capacity is known); with
+        `symmetric`, b's measurement towards a as a fallback."""
         for key in ((a, b), (b, a)) if symmetric else ((a, b),):
             e = self.entries.get(key)
-            if e is not None and e.bandwidth_bps > 0:
-                return e.bandwidth_bps
+            if e is not None and (e.capacity_bytes_s > 0 or e.throughput_bytes_s > 0):
+                return e.capacity_bytes_s or e.throughput_bytes_s
         return None
 
     def rtt(self, a: str, b: str) -> float | None:
@@ -546,17 +696,24 @@ def _label(ids: list[str]) -> dict[str, str]:
 
 
 def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
-    """Render {"node_id", "links": [LinkEntry-like dicts]} as tables (Mbit/s, ms, age) or JSON.
+    """Render {"node_id", "links": [LinkEntry-like dicts]} as tables or JSON.
 
-    Missing fields count as 0 (protobuf's MessageToDict omits zeros). Rows measure towards columns.
+    JSON rows: measurer, target, capacity_mbit_s (highest recent trusted sample: what the path
+    carries), capacity_age_s (age of that sample), throughput_mbit_s and throughput_mbit_s_spread
+    (EWMA of all samples and its spread: what transfers got lately, cross traffic included),
+    rtt_ms, rtt_ms_spread, samples, age_s (since the measurer last updated the entry). Mbit/s are
+    10^6 bits per second of payload. Missing fields count as 0 (protobuf's MessageToDict omits
+    zeros). Rows measure towards columns.
     """
     me = str(matrix.get("node_id", ""))
     rows = []
     for d in matrix.get("links", []) or []:
         get = lambda k: float(d.get(k, 0) or 0)  # noqa: E731
         rows.append({"measurer": str(d.get("measurer", "")), "target": str(d.get("target", "")),
-                     "mbit_s": get("bandwidth_bps") * 8 / 1e6,
-                     "mbit_s_spread": get("bandwidth_spread_bps") * 8 / 1e6,
+                     "capacity_mbit_s": get("capacity_bytes_s") * 8 / 1e6,
+                     "capacity_age_s": get("capacity_age_s"),
+                     "throughput_mbit_s": get("throughput_bytes_s") * 8 / 1e6,
+                     "throughput_mbit_s_spread": get("throughput_spread_bytes_s") * 8 / 1e6,
                      "rtt_ms": get("rtt_s") * 1e3, "rtt_ms_spread": get("rtt_spread_s") * 1e3,
                      "age_s": get("age_s"), "samples": int(d.get("samples", 0) or 0)})
     rows.sort(key=lambda r: (r["measurer"], r["target"]))
@@ -572,7 +729,7 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
         return f"links seen by {me or '?'}: no link measured yet\n"
     cell = {(r["measurer"], r["target"]): r for r in rows}
     lab = _label(nodes)
-    width = max(8, *(len(v) for v in lab.values())) + 2
+    width = max(13, *(len(v) for v in lab.values())) + 2
     out = [f"links seen by {me}: {len(nodes)} nodes, {len(rows)} measured links "
            f"(each row measures towards each column)"]
 
@@ -587,8 +744,14 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
                 line += ("-" if m == t else "." if r is None else fn(r)).rjust(width)
             out.append(line)
 
-    table("bandwidth, Mbit/s", lambda r: f"{r['mbit_s']:.1f}" if r["mbit_s"] > 0 else "?")
-    table("rtt, ms", lambda r: f"{r['rtt_ms']:.2f}" if r["rtt_ms"] > 0 else "?")
+    def pm(x: float, sd: float, digits: int) -> str:
+        return "?" if x <= 0 else f"{x:.{digits}f}+-{sd:.{digits}f}"
+
+    table("capacity, Mbit/s (highest recent probe or transfer)",
+          lambda r: f"{r['capacity_mbit_s']:.1f}" if r["capacity_mbit_s"] > 0 else "?")
+    table("throughput, Mbit/s (recent average +- spread; lower than capacity under cross traffic)",
+          lambda r: pm(r["throughput_mbit_s"], r["throughput_mbit_s_spread"], 1))
+    table("rtt, ms (average +- spread)", lambda r: pm(r["rtt_ms"], r["rtt_ms_spread"], 2))
     table("age, s (since the measurer last updated it)", lambda r: f"{r['age_s']:.0f}")
     if any(lab[n] != n for n in nodes):
         out.append("")

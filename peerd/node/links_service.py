@@ -52,8 +52,8 @@ log = logging.getLogger("peerd.links")
 
 PING_METHOD = "/peerd.v1.Peer/Ping"
 PROBE_KIND = "probe"
-ENTRY_FIELDS = ("measurer", "target", "bandwidth_bps", "bandwidth_spread_bps", "rtt_s", "rtt_spread_s",
-                "samples", "age_s")
+ENTRY_FIELDS = ("measurer", "target", "capacity_bytes_s", "capacity_age_s", "throughput_bytes_s",
+                "throughput_spread_bytes_s", "rtt_s", "rtt_spread_s", "samples", "age_s")
 PAYLOAD_SIZES = 8            # probe payloads (views of one buffer) kept with their checksums
 
 
@@ -221,9 +221,7 @@ class LinkService:
         now = time.monotonic()
         self._expire(now)
         return cpb.LinksReply(node_id=self.node_id, links=[
-            cpb.LinkMeasurement(measurer=e["measurer"], target=e["target"], bandwidth_bps=e["bandwidth_bps"],
-                                rtt_s=e["rtt_s"], age_s=e["age_s"], samples=e["samples"])
-            for e in self.matrix.to_entries(now)])
+            cpb.LinkMeasurement(**e) for e in self.matrix.to_entries(now)])
 
 
 def _random_bytes(n: int) -> torch.Tensor:

@@ -86,20 +86,28 @@ class LinksReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
-    __slots__ = ("measurer", "target", "bandwidth_bps", "rtt_s", "age_s", "samples")
+    __slots__ = ("measurer", "target", "throughput_bytes_s", "rtt_s", "age_s", "samples", "throughput_spread_bytes_s", "rtt_spread_s", "capacity_bytes_s", "capacity_age_s")
     MEASURER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_SPREAD_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_AGE_S_FIELD_NUMBER: _ClassVar[int]
     measurer: str
     target: str
-    bandwidth_bps: float
+    throughput_bytes_s: float
     rtt_s: float
     age_s: float
     samples: int
-    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    throughput_spread_bytes_s: float
+    rtt_spread_s: float
+    capacity_bytes_s: float
+    capacity_age_s: float
+    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("task", "algorithm", "topology", "world", "iterations", "seed", "non_iid", "slowdown", "options", "script", "eval_every", "join_timeout_s")

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13peerd/v1/peer.proto\x12\x08peerd.v1\"\x8e\x01\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x10\n\x08gpu_name\x18\x02 \x01(\t\x12\x18\n\x10gpu_memory_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\r\x12\x15\n\rpeerd_version\x18\x06 \x01(\t\"\x96\x01\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x16.peerd.v1.Capabilities\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"N\n\nHelloReply\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.peerd.v1.Hello\x12!\n\x05peers\x18\x02 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\"\xbc\x01\n\x08PeerInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\"\n\x05state\x18\x05 \x01(\x0e\x32\x13.peerd.v1.PeerState\x12\x17\n\x0flast_seen_age_s\x18\x06 \x01(\x01\x12,\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x16.peerd.v1.Capabilities\"\xa7\x01\n\tLinkEntry\x12\x10\n\x08measurer\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rbandwidth_bps\x18\x03 \x01(\x01\x12\x1c\n\x14\x62\x61ndwidth_spread_bps\x18\x04 \x01(\x01\x12\r\n\x05rtt_s\x18\x05 \x01(\x01\x12\x14\n\x0crtt_spread_s\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x96\x01\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12!\n\x05peers\x18\x04 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\"\n\x05links\x18\x06 \x03(\x0b\x32\x13.peerd.v1.LinkEntry\"}\n\x0eHeartbeatReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12!\n\x05peers\x18\x03 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\x12\"\n\x05links\x18\x04 \x03(\x0b\x32\x13.peerd.v1.LinkEntry\"B\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x03 \x01(\r\"+\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"=\n\x05Leave\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"\x89\x02\n\x0cTensorHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x04\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.peerd.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\x15\n\rchecksum_algo\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12*\n\x0b\x63ompression\x18\t \x01(\x0e\x32\x15.peerd.v1.Compression\x12\x13\n\x0btransfer_id\x18\n \x01(\x04\x12\x0c\n\x04kind\x18\x0b \x01(\t\"+\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"h\n\x0bTensorFrame\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.peerd.v1.TensorHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.peerd.v1.TensorChunkH\x00\x42\x07\n\x05\x66rame\"M\n\rTransferReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x81\x01\n\x0bPullRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x15\n\rmin_iteration\x18\x03 \x01(\x04\x12*\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x15.peerd.v1.Compression\x12\x0c\n\x04kind\x18\x05 \x01(\t\"O\n\nTokenGrant\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x11\n\titeration\x18\x04 \x01(\x04\"\x0c\n\nTokenReply\"\xd7\x01\n\rTrainerNotice\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x1d.peerd.v1.TrainerNotice.State\x12\x11\n\titeration\x18\x05 \x01(\x04\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_ABSENT\x10\x01\x12\x12\n\x0eSTATE_RESUMING\x10\x02\x12\x12\n\x0eSTATE_FINISHED\x10\x03\"\'\n\x12TrainerNoticeReply\x12\x11\n\titeration\x18\x01 \x01(\x03*\x7f\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10PEER_STATE_ALIVE\x10\x01\x12\x16\n\x12PEER_STATE_SUSPECT\x10\x02\x12\x13\n\x0fPEER_STATE_DEAD\x10\x03\x12\x13\n\x0fPEER_STATE_LEFT\x10\x04*O\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_FP16\x10\x01\x12\x14\n\x10\x43OMPRESSION_BF16\x10\x02\x32\xe1\x03\n\x04Peer\x12\x31\n\x08SayHello\x12\x0f.peerd.v1.Hello\x1a\x14.peerd.v1.HelloReply\x12>\n\rSendHeartbeat\x12\x13.peerd.v1.Heartbeat\x1a\x18.peerd.v1.HeartbeatReply\x12\x32\n\x04Ping\x12\x15.peerd.v1.PingRequest\x1a\x13.peerd.v1.PingReply\x12\x31\n\x08SayLeave\x12\x0f.peerd.v1.Leave\x1a\x14.peerd.v1.LeaveReply\x12>\n\nPushTensor\x12\x15.peerd.v1.TensorFrame\x1a\x17.peerd.v1.TransferReply(\x01\x12<\n\nPullTensor\x12\x15.peerd.v1.PullRequest\x1a\x15.peerd.v1.TensorFrame0\x01\x12\x39\n\x0bGrantTokens\x12\x14.peerd.v1.TokenGrant\x1a\x14.peerd.v1.TokenReply\x12\x46\n\rNoticeTrainer\x12\x17.peerd.v1.TrainerNotice\x1a\x1c.peerd.v1.TrainerNoticeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13peerd/v1/peer.proto\x12\x08peerd.v1\"\x8e\x01\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x10\n\x08gpu_name\x18\x02 \x01(\t\x12\x18\n\x10gpu_memory_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\r\x12\x15\n\rpeerd_version\x18\x06 \x01(\t\"\x96\x01\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x16.peerd.v1.Capabilities\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"N\n\nHelloReply\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.peerd.v1.Hello\x12!\n\x05peers\x18\x02 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\"\xbc\x01\n\x08PeerInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\"\n\x05state\x18\x05 \x01(\x0e\x32\x13.peerd.v1.PeerState\x12\x17\n\x0flast_seen_age_s\x18\x06 \x01(\x01\x12,\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x16.peerd.v1.Capabilities\"\xe3\x01\n\tLinkEntry\x12\x10\n\x08measurer\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x1a\n\x12throughput_bytes_s\x18\x03 \x01(\x01\x12!\n\x19throughput_spread_bytes_s\x18\x04 \x01(\x01\x12\r\n\x05rtt_s\x18\x05 \x01(\x01\x12\x14\n\x0crtt_spread_s\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\x12\x18\n\x10\x63\x61pacity_bytes_s\x18\t \x01(\x01\x12\x16\n\x0e\x63\x61pacity_age_s\x18\n \x01(\x01\"\x96\x01\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12!\n\x05peers\x18\x04 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\"\n\x05links\x18\x06 \x03(\x0b\x32\x13.peerd.v1.LinkEntry\"}\n\x0eHeartbeatReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12!\n\x05peers\x18\x03 \x03(\x0b\x32\x12.peerd.v1.PeerInfo\x12\"\n\x05links\x18\x04 \x03(\x0b\x32\x13.peerd.v1.LinkEntry\"B\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x03 \x01(\r\"+\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"=\n\x05Leave\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"\x89\x02\n\x0cTensorHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x04\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.peerd.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\x15\n\rchecksum_algo\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12*\n\x0b\x63ompression\x18\t \x01(\x0e\x32\x15.peerd.v1.Compression\x12\x13\n\x0btransfer_id\x18\n \x01(\x04\x12\x0c\n\x04kind\x18\x0b \x01(\t\"+\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"h\n\x0bTensorFrame\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.peerd.v1.TensorHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.peerd.v1.TensorChunkH\x00\x42\x07\n\x05\x66rame\"M\n\rTransferReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x81\x01\n\x0bPullRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x15\n\rmin_iteration\x18\x03 \x01(\x04\x12*\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x15.peerd.v1.Compression\x12\x0c\n\x04kind\x18\x05 \x01(\t\"O\n\nTokenGrant\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x11\n\titeration\x18\x04 \x01(\x04\"\x0c\n\nTokenReply\"\xd7\x01\n\rTrainerNotice\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x1d.peerd.v1.TrainerNotice.State\x12\x11\n\titeration\x18\x05 \x01(\x04\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_ABSENT\x10\x01\x12\x12\n\x0eSTATE_RESUMING\x10\x02\x12\x12\n\x0eSTATE_FINISHED\x10\x03\"\'\n\x12TrainerNoticeReply\x12\x11\n\titeration\x18\x01 \x01(\x03*\x7f\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10PEER_STATE_ALIVE\x10\x01\x12\x16\n\x12PEER_STATE_SUSPECT\x10\x02\x12\x13\n\x0fPEER_STATE_DEAD\x10\x03\x12\x13\n\x0fPEER_STATE_LEFT\x10\x04*O\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_FP16\x10\x01\x12\x14\n\x10\x43OMPRESSION_BF16\x10\x02\x32\xe1\x03\n\x04Peer\x12\x31\n\x08SayHello\x12\x0f.peerd.v1.Hello\x1a\x14.peerd.v1.HelloReply\x12>\n\rSendHeartbeat\x12\x13.peerd.v1.Heartbeat\x1a\x18.peerd.v1.HeartbeatReply\x12\x32\n\x04Ping\x12\x15.peerd.v1.PingRequest\x1a\x13.peerd.v1.PingReply\x12\x31\n\x08SayLeave\x12\x0f.peerd.v1.Leave\x1a\x14.peerd.v1.LeaveReply\x12>\n\nPushTensor\x12\x15.peerd.v1.TensorFrame\x1a\x17.peerd.v1.TransferReply(\x01\x12<\n\nPullTensor\x12\x15.peerd.v1.PullRequest\x1a\x15.peerd.v1.TensorFrame0\x01\x12\x39\n\x0bGrantTokens\x12\x14.peerd.v1.TokenGrant\x1a\x14.peerd.v1.TokenReply\x12\x46\n\rNoticeTrainer\x12\x17.peerd.v1.TrainerNotice\x1a\x1c.peerd.v1.TrainerNoticeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peerd.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PEERSTATE']._serialized_start=2284
-  _globals['_PEERSTATE']._serialized_end=2411
-  _globals['_COMPRESSION']._serialized_start=2413
-  _globals['_COMPRESSION']._serialized_end=2492
+  _globals['_PEERSTATE']._serialized_start=2344
+  _globals['_PEERSTATE']._serialized_end=2471
+  _globals['_COMPRESSION']._serialized_start=2473
+  _globals['_COMPRESSION']._serialized_end=2552
   _globals['_CAPABILITIES']._serialized_start=34
   _globals['_CAPABILITIES']._serialized_end=176
   _globals['_HELLO']._serialized_start=179
@@ -44,41 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERINFO']._serialized_start=412
   _globals['_PEERINFO']._serialized_end=600
   _globals['_LINKENTRY']._serialized_start=603
-  _globals['_LINKENTRY']._serialized_end=770
-  _globals['_HEARTBEAT']._serialized_start=773
-  _globals['_HEARTBEAT']._serialized_end=923
-  _globals['_HEARTBEATREPLY']._serialized_start=925
-  _globals['_HEARTBEATREPLY']._serialized_end=1050
-  _globals['_PINGREQUEST']._serialized_start=1052
-  _globals['_PINGREQUEST']._serialized_end=1118
-  _globals['_PINGREPLY']._serialized_start=1120
-  _globals['_PINGREPLY']._serialized_end=1163
-  _globals['_LEAVE']._serialized_start=1165
-  _globals['_LEAVE']._serialized_end=1226
-  _globals['_LEAVEREPLY']._serialized_start=1228
-  _globals['_LEAVEREPLY']._serialized_end=1240
-  _globals['_TENSORSPEC']._serialized_start=1242
-  _globals['_TENSORSPEC']._serialized_end=1298
-  _globals['_TENSORHEADER']._serialized_start=1301
-  _globals['_TENSORHEADER']._serialized_end=1566
-  _globals['_TENSORCHUNK']._serialized_start=1568
-  _globals['_TENSORCHUNK']._serialized_end=1611
-  _globals['_TENSORFRAME']._serialized_start=1613
-  _globals['_TENSORFRAME']._serialized_end=1717
-  _globals['_TRANSFERREPLY']._serialized_start=1719
-  _globals['_TRANSFERREPLY']._serialized_end=1796
-  _globals['_PULLREQUEST']._serialized_start=1799
-  _globals['_PULLREQUEST']._serialized_end=1928
-  _globals['_TOKENGRANT']._serialized_start=1930
-  _globals['_TOKENGRANT']._serialized_end=2009
-  _globals['_TOKENREPLY']._serialized_start=2011
-  _globals['_TOKENREPLY']._serialized_end=2023
-  _globals['_TRAINERNOTICE']._serialized_start=2026
-  _globals['_TRAINERNOTICE']._serialized_end=2241
-  _globals['_TRAINERNOTICE_STATE']._serialized_start=2153
-  _globals['_TRAINERNOTICE_STATE']._serialized_end=2241
-  _globals['_TRAINERNOTICEREPLY']._serialized_start=2243
-  _globals['_TRAINERNOTICEREPLY']._serialized_end=2282
-  _globals['_PEER']._serialized_start=2495
-  _globals['_PEER']._serialized_end=2976
+  _globals['_LINKENTRY']._serialized_end=830
+  _globals['_HEARTBEAT']._serialized_start=833
+  _globals['_HEARTBEAT']._serialized_end=983
+  _globals['_HEARTBEATREPLY']._serialized_start=985
+  _globals['_HEARTBEATREPLY']._serialized_end=1110
+  _globals['_PINGREQUEST']._serialized_start=1112
+  _globals['_PINGREQUEST']._serialized_end=1178
+  _globals['_PINGREPLY']._serialized_start=1180
+  _globals['_PINGREPLY']._serialized_end=1223
+  _globals['_LEAVE']._serialized_start=1225
+  _globals['_LEAVE']._serialized_end=1286
+  _globals['_LEAVEREPLY']._serialized_start=1288
+  _globals['_LEAVEREPLY']._serialized_end=1300
+  _globals['_TENSORSPEC']._serialized_start=1302
+  _globals['_TENSORSPEC']._serialized_end=1358
+  _globals['_TENSORHEADER']._serialized_start=1361
+  _globals['_TENSORHEADER']._serialized_end=1626
+  _globals['_TENSORCHUNK']._serialized_start=1628
+  _globals['_TENSORCHUNK']._serialized_end=1671
+  _globals['_TENSORFRAME']._serialized_start=1673
+  _globals['_TENSORFRAME']._serialized_end=1777
+  _globals['_TRANSFERREPLY']._serialized_start=1779
+  _globals['_TRANSFERREPLY']._serialized_end=1856
+  _globals['_PULLREQUEST']._serialized_start=1859
+  _globals['_PULLREQUEST']._serialized_end=1988
+  _globals['_TOKENGRANT']._serialized_start=1990
+  _globals['_TOKENGRANT']._serialized_end=2069
+  _globals['_TOKENREPLY']._serialized_start=2071
+  _globals['_TOKENREPLY']._serialized_end=2083
+  _globals['_TRAINERNOTICE']._serialized_start=2086
+  _globals['_TRAINERNOTICE']._serialized_end=2301
+  _globals['_TRAINERNOTICE_STATE']._serialized_start=2213
+  _globals['_TRAINERNOTICE_STATE']._serialized_end=2301
+  _globals['_TRAINERNOTICEREPLY']._serialized_start=2303
+  _globals['_TRAINERNOTICEREPLY']._serialized_end=2342
+  _globals['_PEER']._serialized_start=2555
+  _globals['_PEER']._serialized_end=3036
 # @@protoc_insertion_point(module_scope)

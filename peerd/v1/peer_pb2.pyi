@@ -88,24 +88,28 @@ class PeerInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ..., last_seen_age_s: _Optional[float] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class LinkEntry(_message.Message):
-    __slots__ = ("measurer", "target", "bandwidth_bps", "bandwidth_spread_bps", "rtt_s", "rtt_spread_s", "samples", "age_s")
+    __slots__ = ("measurer", "target", "throughput_bytes_s", "throughput_spread_bytes_s", "rtt_s", "rtt_spread_s", "samples", "age_s", "capacity_bytes_s", "capacity_age_s")
     MEASURER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
-    BANDWIDTH_SPREAD_BPS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_SPREAD_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
     RTT_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_AGE_S_FIELD_NUMBER: _ClassVar[int]
     measurer: str
     target: str
-    bandwidth_bps: float
-    bandwidth_spread_bps: float
+    throughput_bytes_s: float
+    throughput_spread_bytes_s: float
     rtt_s: float
     rtt_spread_s: float
     samples: int
     age_s: float
-    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., bandwidth_spread_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., samples: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+    capacity_bytes_s: float
+    capacity_age_s: float
+    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., samples: _Optional[int] = ..., age_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "incarnation", "seq", "peers", "address", "links")
