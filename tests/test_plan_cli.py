@@ -142,7 +142,7 @@ def test_live_swarm(daemons):
     def measured():
         out = run_cli("links", "--json", "--data-dir", str(a.data_dir), check=False)
         rows = json.loads(out.stdout)["links"] if out.returncode == 0 else []
-        return any(r["mbit_s"] > 0 for r in rows)
+        return any(r["capacity_mbit_s"] > 0 for r in rows)
     wait_for(measured, 30, "a bandwidth estimate between the two daemons")
     out = run_cli("plan", "--data-dir", str(a.data_dir), "--model-bytes", "1000000", "--step-time", "0.05",
                   "--json")

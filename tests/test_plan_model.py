@@ -168,7 +168,7 @@ def test_links_matrix_source():
         for t in ids:
             if m != t and (m, t) != ("c", "a"):
                 slow = {m, t} == {"a", "c"} or {m, t} == {"b", "c"}
-                links.append({"measurer": m, "target": t, "bandwidth_bps": 1e6 if slow else 1e8,
+                links.append({"measurer": m, "target": t, "capacity_bytes_s": 1e6 if slow else 1e8,
                               "rtt_s": 0.02 if slow else 0.001})
     net, warn = sources.network_from_links({"node_id": "a", "links": links})
     assert net.names == ("a", "b", "c") and not warn          # c->a falls back on a's measurement

@@ -56,7 +56,8 @@ def compute_from_profile(prof: Profile, mean: float, std: float = 0.0) -> Comput
 
 def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None,
                        cfg: Config | None = None) -> tuple[Network, list[str]]:
-    """(network, warnings) from {"node_id", "links": [LinkEntry dicts]} (bandwidth_bps is bytes/s)."""
+    """(network, warnings) from {"node_id", "links": [LinkMeasurement dicts]}: the link's capacity
+    (bytes/s), or its throughput where no capacity was trusted yet."""
     cfg = cfg or Config()
     ent: dict[tuple[str, str], Mapping[str, Any]] = {}
     seen: set[str] = {str(matrix.get("node_id", ""))} - {""}
@@ -75,11 +76,14 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
         d = ent.get(key)
         return float(d.get(field, 0) or 0) if d is not None else 0.0
 
+    def rate_of(key: tuple[str, str]) -> float:
+        return val(key, "capacity_bytes_s") or val(key, "throughput_bytes_s")
+
     for i, a in enumerate(nodes):
         for j, b in enumerate(nodes):
             if i == j:
                 continue
-            rate = val((a, b), "bandwidth_bps") or val((b, a), "bandwidth_bps")
+            rate = rate_of((a, b)) or rate_of((b, a))
             if rate > 0:
                 bw[i, j] = rate
             else:
