@@ -40,13 +40,20 @@ def _line(p, iterations: int, width: int = 28) -> str:
 @click.option("--optimizer", help="sgd, dadam, accumadam (default: the task's)")
 @click.option("--slowdown", type=float, default=None, help="this host computes F times slower (experiments; "
                                                           "default $PEERD_SLOWDOWN or 1)")
+@click.option("--step-time", type=float, help="experiments: pad each step to this many seconds of emulated "
+                                              "compute (times --slowdown)")
+@click.option("--slow-prob", type=float, help="experiments: chance that an iteration is --slow-factor slower "
+                                             "(deterministic in seed, rank, iteration)")
+@click.option("--slow-factor", type=float, help="experiments: factor of a randomly slowed iteration")
+@click.option("--trace", is_flag=True, help="the trainer writes one JSON line per iteration to trace.jsonl "
+                                            "in its checkpoint directory")
 @click.option("--eval-every", type=int, default=50, show_default=True, help="evaluate every N iterations")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
 @data_dir_option
 def train(task, script, algorithm, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
-          lr, optimizer, slowdown, eval_every, join_timeout, as_json, data_dir) -> None:
+          lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, eval_every, join_timeout, as_json, data_dir) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
     The local daemon waits until the run's world is present, starts the trainer (restarting it from
@@ -58,7 +65,10 @@ def train(task, script, algorithm, topology, world, iterations, seed, non_iid, b
     from peerd.v1 import control_pb2 as cpb
 
     options = {k: str(v) for k, v in dict(backup=backup, staleness=staleness, max_ig=max_gap, lr=lr,
-                                          optimizer=optimizer).items() if v is not None}
+                                          optimizer=optimizer, step_time=step_time,
+                                          slow_prob=slow_prob, slow_factor=slow_factor).items() if v is not None}
+    if trace:
+        options["trace"] = "true"
     if skip is not None:
         options["skip"] = "true" if skip else "false"
     if slowdown is None:
