@@ -11,11 +11,11 @@ def cli() -> None:
 
 def _register() -> None:
     # Each area of the CLI lives in its own module; adding one is one line here.
-    from cli import bench, daemon_cmds, demo, lab, sim, train
+    from cli import bench, daemon_cmds, demo, lab, report, sim, train
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
-    for command in (demo.demo, train.train, lab.lab, bench.bench, sim.sim):
+    for command in (demo.demo, train.train, lab.lab, bench.bench, sim.sim, report.report):
         cli.add_command(command)
 
 

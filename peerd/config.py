@@ -175,6 +175,16 @@ class Config:
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
                                                 "matrix; those between carry our own row and what changed")
 
+    # --- heterogeneity benchmarks (peerd bench scenarios; peerd/bench) -------------------------
+    bench_gloo_timeout: float = _f(60.0, "seconds a DDP baseline rank waits in a gloo collective or at "
+                                         "rendezvous before the run fails", scope="bench")
+    bench_master_port: int = _f(29511, "port of the DDP baseline's rendezvous store on the first lab host",
+                                scope="bench")
+    bench_run_timeout: float = _f(600.0, "bound on one benchmark run (one contender, one seed), seconds",
+                                  scope="bench")
+    bench_swarm_timeout: float = _f(60.0, "seconds the lab's daemons may take to list each other as alive",
+                                    scope="bench")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()
