@@ -19,6 +19,7 @@ import re
 import secrets
 import statistics
 import subprocess
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -351,7 +352,7 @@ def control(params: int, iterations: int, as_json: bool) -> None:
 @click.option("--quick", is_flag=True, help="fewer iterations, a lower target and 5 contenders (under 30 min)")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="also append each record here")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="run directory (default: bench-<time>)")
+              help="run directory (default: bench-<time>); an existing one with the same settings is added to")
 @click.option("--seeds", default=None, type=click.IntRange(1, 20), help="seeds per run (default 3; --quick: 1)")
 @click.option("--scenario", "scenario_names", multiple=True, help="only these scenarios (repeat)")
 @click.option("--contender", "contender_names", multiple=True, help="only these contenders (repeat): ddp or an algorithm")
@@ -363,12 +364,14 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                   scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,
                   iterations: int | None, target: float | None, step_time: float | None) -> None:
     """Heterogeneity benchmarks in the lab (root): every scenario with every contender, All-Reduce
-    DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots."""
+    DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
+    Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
+    bench_swarm_timeout, lab_ready_timeout (raise it on a loaded machine)."""
     import time
     from pathlib import Path
 
+    from peerd import config
     from peerd.bench import report, scenarios as sc
-    from peerd.config import Config
 
     st = sc.Settings.quick() if quick else sc.Settings()
     for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time).items():
@@ -382,8 +385,8 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                f"({sc.model_bytes(st.task) / 1e6:.2f} MB per model), {st.iterations} iterations, "
                f"{st.step_time:g} s emulated compute per step")
     try:
-        recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, Config(),
-                      echo=lambda m: click.echo(m), json_file=Path(json_file) if json_file else None)
+        recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, config.load(),
+                      echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)
     except (ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo("\n" + report.table(recs))

@@ -182,6 +182,8 @@ class Config:
                                 scope="bench")
     bench_run_timeout: float = _f(600.0, "bound on one benchmark run (one contender, one seed), seconds",
                                   scope="bench")
+    bench_tx_interval: float = _f(0.5, "seconds between samples of each lab host's sent-bytes counter",
+                                  scope="bench")
     bench_swarm_timeout: float = _f(60.0, "seconds the lab's daemons may take to list each other as alive",
                                     scope="bench")
 

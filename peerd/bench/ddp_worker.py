@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()                  # DDP all-reduces the gradients here
             opt.step()
             trace.write(json.dumps({"it": it + 1, "start": started, "t": time.time(), "compute_s": round(compute, 6)}) + "\n")
+            trace.flush()                    # the benchmark shows progress from it
             extra = {}
             if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):
                 extra = task.evaluate(model.module)

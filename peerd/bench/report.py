@@ -57,17 +57,20 @@ def table(records: list[dict[str, Any]]) -> str:
             f"| idle | MB sent per step | final acc (avg model) |" if target is not None else "| scenario | contender |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (sc, c), rs in by.items():
-        ok = [r for r in rs if "error" not in r]
+        ok = [r for r in rs if "it_per_s" in r]     # measured, possibly until a failure
+        failed = sum(1 for r in rs if "error" in r)
         reached = sum(1 for r in rs if r.get("reached_target"))
         if not ok:
             lines.append(f"| {sc} | {c} | failed: {rs[0]['error'][:60]} | 0/{len(rs)} | | | | | | |")
             continue
         m = med[(sc, c)]
+        note = f" ({failed} run(s) failed, measured until then)" if failed else ""
         lines.append(
-            f"| {sc} | {c} | {_fmt_s(m)} | {reached}/{len(rs)} | {_ratio(med.get((sc, 'ddp'), math.nan), m)} "
+            f"| {sc} | {c} | {_fmt_s(m)}{note} | {reached}/{len(rs)} | {_ratio(med.get((sc, 'ddp'), math.nan), m)} "
             f"| {_ratio(med.get((sc, 'd-psgd'), math.nan), m)} | {_median([r['it_per_s'] for r in ok]):.2f} "
-            f"| {_median([r['idle_fraction'] for r in ok]):.0%} | {_median([r['bytes_per_step'] for r in ok]) / 1e6:.2f} "
-            f"| {_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]):.3f} |")
+            f"| {_median([r['idle_fraction'] for r in ok]):.0%} | {_median([r['bytes_per_step'] for r in ok if r.get('bytes_per_step') is not None]) / 1e6:.2f} "
+            f"| {_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]):.3f} |"
+            .replace("| nan |", "| — |"))
     return "\n".join(lines) + "\n"
 
 

@@ -12,8 +12,9 @@ Design choices:
   per iteration, deterministic in seed/rank/iteration). Six hosts on two cores are then not
   CPU-bound, and compute, not per-iteration overhead, is the unit of time.
 - The model is `digits-wide` (1.1 MB of float32 parameters), so an exchange costs ~9 ms at 1 Gbit
-  and ~176 ms at 50 Mbit: communication matters. Bytes sent are each host's eth0 tx counter over
-  the run (everything it sent, the daemon's heartbeats and link probes included).
+  and ~176 ms at 50 Mbit: communication matters. Bytes sent are each host's eth0 tx counter from
+  the first step of the run to its last (everything the host sent, the daemons' heartbeats and
+  link probes included, for DDP runs too: the daemons stay up).
 - Time to target is measured from the first step any host starts until the mean of the hosts'
   newest evaluated accuracies reaches the target (DDP's ranks hold the same model); null when
   the run ends first. Final accuracy is that of the average of the hosts' final models.
@@ -26,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -81,9 +83,61 @@ def _py(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def _tx_bytes(lb: lab.Lab, host: str) -> int:
-    p = lb.run(host, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"], timeout=10)
-    return int(p.stdout.strip())
+class TxSampler:
+    """Each lab host's eth0 tx byte counter, sampled every `interval` seconds from
+    /proc/<daemon pid>/net/dev (the daemon lives in the host's namespace; no process spawned per
+    sample), so a run's bytes count only between its first step and its last, not its startup."""
+
+    def __init__(self, lb: lab.Lab, interval: float) -> None:
+        pids = {p["role"]: p["pid"] for p in lb.state["processes"]}
+        self.paths = {h: Path(f"/proc/{pids[f'daemon:{h}']}/net/dev") for h in lb.hosts}
+        self.samples: dict[str, list[tuple[float, int]]] = {h: [] for h in lb.hosts}
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _read(self, h: str) -> int:
+        for line in self.paths[h].read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                return int(rest.split()[8])
+        raise RuntimeError(f"{h}: no eth0 in {self.paths[h]}")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        for h in self.samples:
+            try:
+                self.samples[h].append((time.time(), self._read(h)))
+            except (OSError, RuntimeError):
+                pass  # the daemon is gone: the run's own error says why
+
+    def __enter__(self) -> "TxSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sample()
+
+    def between(self, h: str, t0: float, t1: float) -> int:
+        """Bytes sent from wall time t0 to t1, linearly interpolated between samples."""
+        pts = self.samples[h]
+
+        def at(t: float) -> float:
+            if not pts:
+                return 0.0
+            if t <= pts[0][0]:
+                return pts[0][1]
+            for (ta, a), (tb, b) in zip(pts, pts[1:]):
+                if ta <= t <= tb:
+                    return a + (b - a) * (t - ta) / max(tb - ta, 1e-9)
+            return pts[-1][1]
+        return int(at(t1) - at(t0))
 
 
 def _cli_json(lb: lab.Lab, host: str, *args: str) -> Any:
@@ -160,6 +214,7 @@ class RunFiles:
     progress: dict[str, Path] = field(default_factory=dict)
     trace: dict[str, Path] = field(default_factory=dict)
     models: list[Path] = field(default_factory=list)
+    error: str | None = None      # the run failed or hung; what it recorded until then still counts
 
 
 def _iter_watch(files: RunFiles) -> Callable[[], str]:
@@ -201,14 +256,18 @@ def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run
     def watch_and_locate() -> str:
         locate()
         return watch()
-    _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/{algo}/seed {seed}", watch_and_locate, echo)
+    try:
+        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/{algo}/seed {seed}", watch_and_locate, echo)
+    except RuntimeError as e:
+        files.error = str(e)
     locate()
     missing = [h for h in lb.hosts if h not in files.trace]
     if missing:
-        raise RuntimeError(f"{sc.name}/{algo}: no checkpoint directory of this run on {', '.join(missing)}")
+        raise RuntimeError(f"{sc.name}/{algo}: no checkpoint directory of this run on {', '.join(missing)}"
+                           + (f" ({files.error})" if files.error else ""))
     for h in lb.hosts:  # keep the traces with the run; the lab's data dirs go with the lab
         trace = run_dir / f"{h}.trace.jsonl"
-        trace.write_bytes(files.trace[h].read_bytes())
+        trace.write_bytes(files.trace[h].read_bytes() if files.trace[h].exists() else b"")
         files.trace[h] = trace
     files.models = [d for d in (_newest_model(lb, h, before[h]) for h in lb.hosts) if d is not None]
     return files
@@ -243,8 +302,11 @@ def run_ddp(lb: lab.Lab, sc: Scenario, seed: int, st: Settings, run_dir: Path, c
                    "--trace", str(files.trace[h]), "--progress", str(files.progress[h]), "--model-out", str(model))
         with open(run_dir / f"{h}.log", "w") as fh:
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env))
-    _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/ddp/seed {seed}", _iter_watch(files), echo)
-    files.models = [model]
+    try:
+        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/ddp/seed {seed}", _iter_watch(files), echo)
+    except RuntimeError as e:
+        files.error = str(e)
+    files.models = [model] if model.exists() else []
     return files
 
 
@@ -285,14 +347,17 @@ def model_bytes(task_name: str) -> int:
     return sum(p.numel() * p.element_size() for p in get_task(task_name).build(0).parameters())
 
 
-def summarize(sc: Scenario, contender: str, seed: int, st: Settings, lb: lab.Lab, files: RunFiles,
-              tx: dict[str, int], prof_name: str) -> dict[str, Any]:
-    traces = {h: _read_jsonl(files.trace[h]) for h in lb.hosts}
-    progress = {h: _read_jsonl(files.progress[h]) for h in lb.hosts}
+def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list[str], files: RunFiles,
+              sampler: TxSampler | None, prof_name: str) -> dict[str, Any]:
+    """One JSON record from a run's files (sampler None: bytes unknown)."""
+    traces = {h: _read_jsonl(files.trace[h]) for h in hosts}
+    progress = {h: _read_jsonl(files.progress[h]) for h in hosts}
     if not all(traces.values()):
         raise RuntimeError(f"{sc.name}/{contender}: empty trace on "
                            f"{', '.join(h for h, t in traces.items() if not t)}")
     t0 = min(t[0]["start"] for t in traces.values())
+    t_end = max(t[-1]["t"] for t in traces.values())
+    tx = {h: sampler.between(h, t0, t_end) if sampler else None for h in hosts}
     per_host = {}
     computes = []
     for h, tr in traces.items():
@@ -304,14 +369,15 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, lb: lab.Lab
                        "iter_time_s": dur / len(tr), "bytes_sent": tx[h]}
     ttt = time_to_target(progress, st.target, t0)
     steps = sum(v["steps"] for v in per_host.values())
+    sent = sum(tx.values()) if sampler else None
     return {
-        "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(lb.hosts),
+        "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(hosts),
         "task": st.task, "model_bytes": model_bytes(st.task), "iterations": st.iterations, "target": st.target,
         "time_to_target_s": ttt, "reached_target": ttt is not None,
         "wall_s": max(v["duration_s"] for v in per_host.values()),
         "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
-        "bytes_sent": sum(tx.values()), "bytes_per_step": sum(tx.values()) / steps,
+        "bytes_sent": sent, "bytes_per_step": None if sent is None else sent / steps,
         "final_accuracy": averaged_accuracy(st.task, files.models),
         "step_time_mean": statistics.mean(computes), "step_time_std": statistics.pstdev(computes),
         "iter_time_s": statistics.mean(v["iter_time_s"] for v in per_host.values()),
@@ -337,11 +403,18 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
             if c not in ALGORITHMS:
                 raise ValueError(f"contender: unknown {c!r}; known: ddp, {', '.join(ALGORITHMS)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").write_text(json.dumps({"settings": asdict(st), "seeds": seeds, "scenarios": scenarios,
-                                               "contenders": contenders, "started": time.time(),
-                                               "model_bytes": model_bytes(st.task),
-                                               "descriptions": {s: SCENARIOS[s].description for s in scenarios}},
-                                              indent=2))
+    meta = {"settings": asdict(st), "seeds": seeds, "scenarios": scenarios, "contenders": contenders,
+            "started": time.time(), "model_bytes": model_bytes(st.task),
+            "descriptions": {s: SCENARIOS[s].description for s in scenarios}}
+    if (out / "meta.json").exists():  # adding scenarios or contenders to a run: same settings only
+        old = json.loads((out / "meta.json").read_text())
+        if old["settings"] != meta["settings"]:
+            raise ValueError(f"{out} holds a run with other settings ({old['settings']}); use another --out")
+        meta["scenarios"] = old["scenarios"] + [s for s in scenarios if s not in old["scenarios"]]
+        meta["contenders"] = old["contenders"] + [c for c in contenders if c not in old["contenders"]]
+        meta["descriptions"] = {**old["descriptions"], **meta["descriptions"]}
+        meta["started"], meta["seeds"] = old["started"], max(old["seeds"], seeds)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
     results_path = out / "results.jsonl"
     records: list[dict[str, Any]] = []
     total = len(scenarios) * len(contenders) * seeds
@@ -369,16 +442,18 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                     run_dir.mkdir(parents=True, exist_ok=True)
                     echo(f"[{n}/{total}] {name} / {contender} / seed {seed}   "
                          f"(elapsed {time.monotonic() - started:.0f}s)")
-                    tx0 = {h: _tx_bytes(lb, h) for h in lb.hosts}
                     t = time.monotonic()
                     try:
-                        if contender == "ddp":
-                            port += 1  # a fresh rendezvous port per run: no TIME_WAIT clash
-                            files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
-                        else:
-                            files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
-                        tx = {h: _tx_bytes(lb, h) - tx0[h] for h in lb.hosts}
-                        rec = summarize(sc, contender, seed, st, lb, files, tx, prof.name)
+                        with TxSampler(lb, cfg.bench_tx_interval) as tx:
+                            if contender == "ddp":
+                                port += 1  # a fresh rendezvous port per run: no TIME_WAIT clash
+                                files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
+                            else:
+                                files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
+                        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name)
+                        if files.error:  # measured until it failed: times count, the run is marked
+                            rec["error"] = files.error
+                            echo(f"    FAILED (measured until then): {files.error}")
                     except RuntimeError as e:
                         rec = {"scenario": name, "contender": contender, "seed": seed, "profile": prof.name,
                                "hosts": hosts, "error": str(e), "time_to_target_s": None, "reached_target": False}
@@ -389,12 +464,12 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                         if path is not None:
                             with open(path, "a") as fh:
                                 fh.write(json.dumps(rec) + "\n")
-                    if "error" not in rec:
+                    if "it_per_s" in rec:
                         ttt = rec["time_to_target_s"]
                         echo(f"    {'missed the target' if ttt is None else f'target {st.target:.0%} after {ttt:.1f}s'}"
                              f"; {rec['it_per_s']:.2f} it/s per host, idle {rec['idle_fraction']:.0%}, "
                              f"{rec['bytes_per_step'] / 1e6:.2f} MB sent per step, "
-                             f"averaged model {rec['final_accuracy']:.3f}")
+                             f"averaged model {rec['final_accuracy'] if rec['final_accuracy'] is None else round(rec['final_accuracy'], 3)}")
             links = {h: _cli_json(lb, h, "links") for h in lb.hosts}
             (out / name / "links.json").write_text(json.dumps(links, indent=2))
         finally:
