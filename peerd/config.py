@@ -184,7 +184,7 @@ class Config:
                                   scope="bench")
     bench_tx_interval: float = _f(0.5, "seconds between samples of each lab host's sent-bytes counter",
                                   scope="bench")
-    bench_swarm_timeout: float = _f(60.0, "seconds the lab's daemons may take to list each other as alive",
+    bench_swarm_timeout: float = _f(180.0, "seconds the lab's daemons may take to list each other as alive",
                                     scope="bench")
 
     @property

@@ -131,6 +131,10 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
                 ax_a.step([t - t0 for t, _ in acc], [v for _, v in acc], where="post", label=c, lw=1.4)
             if loss:
                 ax_l.plot([t - t0 for t, _ in loss], [v for _, v in loss], label=c, lw=1.1)
+        # the x range ends where the last host's last step does (a hung run's progress repeats after)
+        end = max(max(tr[-1]["t"] for tr in traces.values()) - t0 for t0, traces, _ in data.values())
+        for ax in (ax_a, ax_l):
+            ax.set_xlim(0, end * 1.03)
         ax_a.axhline(target, color="grey", ls=":", lw=1)
         ax_a.set(xlabel="wall time (s)", ylabel="mean test accuracy of the hosts' models",
                  title=f"{sc}: accuracy vs wall time (seed 0)")
