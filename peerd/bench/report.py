@@ -189,15 +189,17 @@ def _link_heatmap(sc_dir: Path, plt) -> Path | None:
             src, dst = by_id.get(row["measurer"]), by_id.get(row["target"])
             if src == h and dst and row.get("mbit_s", 0) > 0:   # each host's own measurements
                 mat[names.index(src)][names.index(dst)] = row["mbit_s"]
+    measured = any(not math.isnan(v) for row in mat for v in row)
     fig, ax = plt.subplots(figsize=(5, 4.2))
-    im = ax.imshow(mat, cmap="viridis", norm=plt.matplotlib.colors.LogNorm())
+    im = ax.imshow(mat, cmap="viridis", norm=plt.matplotlib.colors.LogNorm() if measured else None)
     for i in range(n):
         for j in range(n):
             if not math.isnan(mat[i][j]):
                 ax.text(j, i, f"{mat[i][j]:.0f}", ha="center", va="center", color="w", fontsize=8)
     ax.set_xticks(range(n), names)
     ax.set_yticks(range(n), names)
-    ax.set(xlabel="to", ylabel="measured by", title=f"{sc_dir.name}: measured Mbit/s")
+    ax.set(xlabel="to", ylabel="measured by",
+           title=f"{sc_dir.name}: measured Mbit/s" + ("" if measured else " (none captured)"))
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     out = _save(fig, sc_dir.parent / f"{sc_dir.name}-links.png")
