@@ -36,6 +36,10 @@ def _fmt_s(x: float) -> str:
     return "missed" if math.isinf(x) else ("—" if math.isnan(x) else f"{x:.1f}s")
 
 
+def _num(x: float, fmt: str) -> str:
+    return "—" if math.isnan(x) else format(x, fmt)
+
+
 def _ratio(base: float, ours: float) -> str:
     if math.isnan(base) or math.isnan(ours):
         return "—"
@@ -68,9 +72,8 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {sc} | {c} | {_fmt_s(m)}{note} | {reached}/{len(rs)} | {_ratio(med.get((sc, 'ddp'), math.nan), m)} "
             f"| {_ratio(med.get((sc, 'd-psgd'), math.nan), m)} | {_median([r['it_per_s'] for r in ok]):.2f} "
-            f"| {_median([r['idle_fraction'] for r in ok]):.0%} | {_median([r['bytes_per_step'] for r in ok if r.get('bytes_per_step') is not None]) / 1e6:.2f} "
-            f"| {_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]):.3f} |"
-            .replace("| nan |", "| — |"))
+            f"| {_median([r['idle_fraction'] for r in ok]):.0%} | {_num(_median([r['bytes_per_step'] for r in ok if r.get('bytes_per_step') is not None]) / 1e6, '.2f')} "
+            f"| {_num(_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]), '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -86,11 +89,12 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def _mean_latest(progress: dict[str, list[dict]], pick) -> list[tuple[float, float]]:
-    """Step function of the mean over hosts of each host's newest picked value."""
+def _mean_latest(progress: dict[str, list[dict]], pick, missing: float | None = None) -> list[tuple[float, float]]:
+    """Step function of the mean over hosts of each host's newest picked value (a host without
+    one counts as `missing`; None: the function starts once every host has one)."""
     events = sorted((r["t"], h, v) for h, recs in progress.items() for r in recs
                     if (v := pick(r)) is not None)
-    latest: dict[str, float] = {}
+    latest: dict[str, float] = {} if missing is None else dict.fromkeys(progress, missing)
     pts = []
     for t, h, v in events:
         latest[h] = v
@@ -124,7 +128,8 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
         # accuracy and loss versus wall time
         fig, (ax_a, ax_l) = plt.subplots(1, 2, figsize=(12, 4.2))
         for c, (t0, _, progress) in data.items():
-            acc = _mean_latest(progress, lambda r: r["metric"] if r.get("metric_name") == "accuracy" else None)
+            acc = _mean_latest(progress, lambda r: r["metric"] if r.get("metric_name") == "accuracy" else None,
+                               missing=0.0)   # as time to target counts it
             loss = _mean_latest(progress, lambda r: r["loss"] if r.get("state") == "training" and r.get("loss", 0) > 0
                                 else None)
             if acc:
