@@ -19,6 +19,7 @@ import re
 import secrets
 import statistics
 import subprocess
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -345,3 +346,48 @@ def control(params: int, iterations: int, as_json: bool) -> None:
     click.echo(f"  publish                 {med['publish_s'] * 1000:8.1f} ms")
     click.echo(f"  mix (copy-out included) {med['mix_s'] * 1000:8.1f} ms")
     click.echo(f"  publish + mix           {cost * 1000:8.1f} ms = {cost / med['step_s']:.1%} of the step")
+
+
+@bench.command("scenarios")
+@click.option("--quick", is_flag=True, help="100 iterations, target 80 %, 1 seed, contenders ddp, d-psgd, hop-backup-skip, netmax")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="also append each record here")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="run directory (default: bench-<time>); an existing one with the same settings is added to")
+@click.option("--seeds", default=None, type=click.IntRange(1, 20), help="seeds per run (default 3; --quick: 1)")
+@click.option("--scenario", "scenario_names", multiple=True, help="only these scenarios (repeat)")
+@click.option("--contender", "contender_names", multiple=True, help="only these contenders (repeat): ddp or an algorithm")
+@click.option("--hosts", type=click.IntRange(2, 12), help="override the host count of every scenario")
+@click.option("--iterations", type=click.IntRange(2), help="iterations per run")
+@click.option("--target", type=float, help="target test accuracy")
+@click.option("--step-time", type=float, help="emulated compute seconds per step (x slowdown)")
+def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds: int | None,
+                  scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,
+                  iterations: int | None, target: float | None, step_time: float | None) -> None:
+    """Heterogeneity benchmarks in the lab (root): every scenario with every contender, All-Reduce
+    DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
+    Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
+    bench_swarm_timeout, lab_ready_timeout (raise it on a loaded machine)."""
+    import time
+    from pathlib import Path
+
+    from peerd import config
+    from peerd.bench import report, scenarios as sc
+
+    st = sc.Settings.quick() if quick else sc.Settings()
+    for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time).items():
+        if value is not None:
+            setattr(st, key, value)
+    names = list(scenario_names) or list(sc.SCENARIOS)
+    contenders = list(contender_names) or (sc.QUICK_CONTENDERS if quick else sc.CONTENDERS)
+    out = Path(out_dir or time.strftime("bench-%Y%m%d-%H%M%S")).resolve()
+    click.echo(f"run directory {out}; {len(names)} scenario(s) x {len(contenders)} contender(s) x "
+               f"{seeds or (1 if quick else 3)} seed(s); task {st.task} "
+               f"({sc.model_bytes(st.task) / 1e6:.2f} MB per model), {st.iterations} iterations, "
+               f"{st.step_time:g} s emulated compute per step")
+    try:
+        recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, config.load(),
+                      echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)
+    except (ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo("\n" + report.table(recs))
+    click.echo(f"plots and report.md: peerd report {out}")

@@ -11,11 +11,12 @@ def cli() -> None:
 
 def _register() -> None:
     # Each area of the CLI lives in its own module; adding one is one line here.
-    from cli import bench, container, daemon_cmds, demo, lab, plan, sim, train
+    from cli import bench, container, daemon_cmds, demo, lab, plan, report, sim, train
 
     for command in daemon_cmds.COMMANDS:
         cli.add_command(command)
-    for command in (demo.demo, train.train, train.ctl, lab.lab, bench.bench, sim.sim, container.container, plan.plan):
+    for command in (demo.demo, train.train, train.ctl, lab.lab, bench.bench, sim.sim, container.container, plan.plan,
+                    report.report):
         cli.add_command(command)
     from cli import lab_churn
     for command in lab_churn.COMMANDS:

@@ -28,9 +28,6 @@ def _line(p, iterations: int, width: int = 28) -> str:
               help="hop, hop-backup, hop-staleness, hop-backup-skip, hop-staleness-skip, d-psgd (dpsgd), "
                    "ad-psgd (adpsgd), sgp, aau, netmax, ...; auto: the daemon picks algorithm and topology "
                    "with the runtime model (`peerd plan`) and logs the choice and the runner-up")
-@click.option("--step-time", "step_time", default=None,
-              help="--algo auto: seconds per gradient to plan with before the trainer measured any, "
-                   "MEAN[,STD] (default Config.plan_default_step_time)")
 @click.option("--model-bytes", type=int, default=None,
               help="--algo auto: model size to plan with (default: the built-in task's parameter bytes)")
 @click.option("--topology", default="ring", show_default=True, help="ring, torus, exp, aer, complete (--algo auto picks its own)")
@@ -46,13 +43,22 @@ def _line(p, iterations: int, width: int = 28) -> str:
 @click.option("--optimizer", help="sgd, dadam, accumadam (default: the task's)")
 @click.option("--slowdown", type=float, default=None, help="this host computes F times slower (experiments; "
                                                           "default $PEERD_SLOWDOWN or 1)")
+@click.option("--step-time", type=float, help="experiments: pad each step to this many seconds of emulated "
+                                              "compute (times --slowdown); --algo auto also plans with it "
+                                              "until the trainer has measured steps (default "
+                                              "Config.plan_default_step_time)")
+@click.option("--slow-prob", type=float, help="experiments: chance that an iteration is --slow-factor slower "
+                                             "(deterministic in seed, rank, iteration)")
+@click.option("--slow-factor", type=float, help="experiments: factor of a randomly slowed iteration")
+@click.option("--trace", is_flag=True, help="the trainer writes one JSON line per iteration to trace.jsonl "
+                                            "in its checkpoint directory")
 @click.option("--eval-every", type=int, default=50, show_default=True, help="evaluate every N iterations")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
 @data_dir_option
-def train(task, script, algorithm, step_time, model_bytes, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
-          lr, optimizer, slowdown, eval_every, join_timeout, as_json, data_dir) -> None:
+def train(task, script, algorithm, model_bytes, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
+          lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, eval_every, join_timeout, as_json, data_dir) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
     The local daemon waits until the run's world is present, starts the trainer (restarting it from
@@ -64,16 +70,12 @@ def train(task, script, algorithm, step_time, model_bytes, topology, world, iter
     from peerd.v1 import control_pb2 as cpb
 
     options = {k: str(v) for k, v in dict(backup=backup, staleness=staleness, max_ig=max_gap, lr=lr,
-                                          optimizer=optimizer).items() if v is not None}
+                                          optimizer=optimizer, step_time=step_time,
+                                          slow_prob=slow_prob, slow_factor=slow_factor).items() if v is not None}
+    if trace:
+        options["trace"] = "true"
     if skip is not None:
         options["skip"] = "true" if skip else "false"
-    if step_time:
-        mean, _, std = step_time.partition(",")
-        try:
-            options["step_time"], options["step_time_std"] = str(float(mean)), str(float(std or 0))
-        except ValueError:
-            raise click.BadParameter(f"expected MEAN[,STD] in seconds, got {step_time!r}",
-                                     param_hint="--step-time") from None
     if model_bytes:
         options["model_bytes"] = str(model_bytes)
     if slowdown is None:

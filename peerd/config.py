@@ -264,6 +264,18 @@ class Config:
     checkpoint_every: int = _f(25, "iterations between trainer checkpoints (a failed write keeps the "
                                    "previous checkpoint and training goes on)")
 
+    # --- heterogeneity benchmarks (peerd bench scenarios; peerd/bench) -------------------------
+    bench_gloo_timeout: float = _f(60.0, "seconds a DDP baseline rank waits in a gloo collective or at "
+                                         "rendezvous before the run fails", scope="bench")
+    bench_master_port: int = _f(29511, "port of the DDP baseline's rendezvous store on the first lab host",
+                                scope="bench")
+    bench_run_timeout: float = _f(600.0, "bound on one benchmark run (one contender, one seed), seconds",
+                                  scope="bench")
+    bench_tx_interval: float = _f(0.5, "seconds between samples of each lab host's sent-bytes counter",
+                                  scope="bench")
+    bench_swarm_timeout: float = _f(180.0, "seconds the lab's daemons may take to list each other as alive",
+                                    scope="bench")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()

@@ -871,9 +871,12 @@ class TrainingRun:
                 "--seed", str(s.seed), "--eval-every", str(s.eval_every)]
         if s.non_iid:
             argv.append("--non-iid")
-        for key in ("lr", "momentum", "optimizer", "batch_size", "accum_iter"):
+        for key in ("lr", "momentum", "optimizer", "batch_size", "accum_iter", "step_time", "slow_prob",
+                    "slow_factor"):
             if key in s.options:
                 argv += [f"--{key.replace('_', '-')}", s.options[key]]
+        if s.options.get("trace") == "true":
+            argv.append("--trace")
         return argv
 
     def trainer_env(self) -> dict[str, str]:

@@ -7,12 +7,15 @@ is one (a restart after a crash), honours the host's slowdown factor (PEERD_SLOW
 takes that many times its real compute time, for experiments), writes checkpoints atomically, and
 reports loss and evaluation metrics to the daemon. At every iteration boundary it honours the
 daemon's directives (`apply_directives`): pause until resume, skip to an iteration, checkpoint now,
-stop cleanly after a final checkpoint.
+stop cleanly after a final checkpoint. Benchmarks pace the steps (peerd/train/pace.py:
+--step-time, --slow-prob, --slow-factor) and ask for a per-iteration trace (--trace: one JSON line
+per iteration, {"it", "start", "t", "compute_s"}, in the checkpoint directory's trace.jsonl).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import os
 import signal
@@ -24,6 +27,7 @@ import torch
 
 from peerd.train.client import attach
 from peerd.train.optim import DecentralizedOptimizer
+from peerd.train.pace import Pace
 from peerd.train.tasks import get_task
 from peerd.v1 import control_pb2 as cpb
 
@@ -141,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--accum-iter", type=int)
+    ap.add_argument("--step-time", type=float, default=0.0, help="pad each step to this many seconds (x slowdown)")
+    ap.add_argument("--slow-prob", type=float, default=0.0, help="chance an iteration is --slow-factor slower")
+    ap.add_argument("--slow-factor", type=float, default=1.0)
+    ap.add_argument("--trace", action="store_true", help="append one JSON line per iteration to trace.jsonl")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer: %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, _terminated)
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     end = args.iterations
     log.info("rank %d of %d, task %s, optimizer %s, from iteration %d to %d, slowdown %.1fx",
              rank, world, args.task, inner, opt.iteration, end, slowdown)
+    pace = Pace(args.step_time, max(1.0, slowdown), args.slow_prob, args.slow_factor, args.seed, rank)
+    if args.trace:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    trace = open(ckpt_dir / "trace.jsonl", "a") if args.trace else None
     last_eval = opt.iteration
     pause_timeout = float(os.environ.get("PEERD_PAUSE_TIMEOUT", "3600"))
     failed_checkpoints = 0
@@ -183,15 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         if not apply_directives(exchange, opt, lambda: save_checkpoint(ckpt_dir, opt.iteration, model, opt),
                                 pause_timeout):
             break
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
+        it = opt.iteration
         opt.zero_grad()                      # publishes x_k: the exchange overlaps forward/backward
         loss = task.loss(model, next(batches))
         loss.backward()
-        compute = time.perf_counter() - t0
-        if slowdown > 1:
-            time.sleep((slowdown - 1) * compute)
-        compute_s = time.perf_counter() - t0    # the gradient alone (what `peerd plan` models)
+        compute_s = pace.pad(it, t0)         # the gradient alone, paced (what `peerd plan` models)
         opt.step()
+        if trace is not None:
+            trace.write(json.dumps({"it": opt.iteration, "start": started, "t": time.time(), "compute_s": round(compute_s, 6)}) + "\n")
+            trace.flush()
         extra = {"compute_s": compute_s}
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
             last_eval = opt.iteration
@@ -205,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             extra["checkpoint_failures"] = failed_checkpoints
         exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
     exchange.close()
+    if trace is not None:
+        trace.close()
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Heterogeneity benchmarks in the lab: peerd's algorithms against an All-Reduce (DDP) baseline."""

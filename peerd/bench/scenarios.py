@@ -1,0 +1,483 @@
+"""`peerd bench scenarios`: every contender on every heterogeneity scenario, in the lab.
+
+Design choices:
+- One lab (network namespaces, shaped links, one daemon per host) per scenario, reused by every
+  contender and seed of that scenario; torn down in `finally`, whatever happens.
+- peerd contenders run exactly as users run them: `peerd train` on every host. The All-Reduce
+  baseline runs as torchrun users run it: `python -m torch.distributed.run --nnodes N --node-rank
+  R --master-addr <h1> ...` inside each host's namespace (peerd/bench/ddp_worker.py), next to the
+  idle daemons, so both see the same background traffic.
+- Compute is emulated (peerd/train/pace.py): each step is padded with `sleep` to `step_time`
+  times the host's slowdown (and, in the random-slowdown scenario, times 5 with probability 0.1
+  per iteration, deterministic in seed/rank/iteration). Six hosts on two cores are then not
+  CPU-bound, and compute, not per-iteration overhead, is the unit of time.
+- The model is `digits-wide` (1.1 MB of float32 parameters), so an exchange costs ~9 ms at 1 Gbit
+  and ~176 ms at 50 Mbit: communication matters. Bytes sent are each host's eth0 tx counter from
+  the first step of the run to its last (everything the host sent, the daemons' heartbeats and
+  link probes included, for DDP runs too: the daemons stay up).
+- Time to target is measured from the first step any host starts until the mean of the hosts'
+  newest evaluated accuracies reaches the target (DDP's ranks hold the same model); null when
+  the run ends first. Final accuracy is that of the average of the hosts' final models.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from peerd.config import Config
+from peerd.lab import lab, profile
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    profile: str
+    hosts: int
+    description: str
+    slow_prob: float = 0.0
+    slow_factor: float = 1.0
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("homogeneous", "lan", 6, "6 hosts, every pair 1 Gbit"),
+    Scenario("straggler", "straggler", 6, "6 hosts at 1 Gbit, h1 computes 4x slower"),
+    Scenario("random-slowdowns", "lan", 6, "6 hosts at 1 Gbit, each iteration each host 5x slower with p=0.1",
+             slow_prob=0.1, slow_factor=5.0),
+    Scenario("two-sites", "two-sites-6", 6, "3+3 hosts, 1 Gbit inside a site, 50 Mbit / 20 ms between"),
+    Scenario("mixed-links", "star-6", 6, "star of 6 hosts with 10/10/100/100/1000/1000 Mbit access links"),
+]}
+CONTENDERS = ["ddp", "d-psgd", "ad-psgd", "hop", "hop-backup-skip", "hop-staleness", "aau", "netmax"]
+QUICK_CONTENDERS = ["ddp", "d-psgd", "hop-backup-skip", "netmax"]
+BASELINES = ("ddp", "d-psgd")
+# Faster failure detection than the defaults; nothing that changes what is measured.
+DAEMON_ARGS = ("--heartbeat-interval", "0.5")
+
+
+@dataclass
+class Settings:
+    task: str = "digits-wide"
+    iterations: int = 200
+    eval_every: int = 10
+    target: float = 0.85
+    step_time: float = 0.1        # emulated compute seconds per step on a host with slowdown 1
+    topology: str = "ring"
+    hosts: int | None = None      # override every scenario's host count (tests)
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        return cls(iterations=100, target=0.8)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+class TxSampler:
+    """Each lab host's eth0 tx byte counter, sampled every `interval` seconds from
+    /proc/<daemon pid>/net/dev (the daemon lives in the host's namespace; no process spawned per
+    sample), so a run's bytes count only between its first step and its last, not its startup."""
+
+    def __init__(self, lb: lab.Lab, interval: float) -> None:
+        pids = {p["role"]: p["pid"] for p in lb.state["processes"]}
+        self.paths = {h: Path(f"/proc/{pids[f'daemon:{h}']}/net/dev") for h in lb.hosts}
+        self.samples: dict[str, list[tuple[float, int]]] = {h: [] for h in lb.hosts}
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _read(self, h: str) -> int:
+        for line in self.paths[h].read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                return int(rest.split()[8])
+        raise RuntimeError(f"{h}: no eth0 in {self.paths[h]}")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        for h in self.samples:
+            try:
+                self.samples[h].append((time.time(), self._read(h)))
+            except (OSError, RuntimeError):
+                pass  # the daemon is gone: the run's own error says why
+
+    def __enter__(self) -> "TxSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sample()
+
+    def between(self, h: str, t0: float, t1: float) -> int:
+        """Bytes sent from wall time t0 to t1, linearly interpolated between samples."""
+        pts = self.samples[h]
+
+        def at(t: float) -> float:
+            if not pts:
+                return 0.0
+            if t <= pts[0][0]:
+                return pts[0][1]
+            for (ta, a), (tb, b) in zip(pts, pts[1:]):
+                if ta <= t <= tb:
+                    return a + (b - a) * (t - ta) / max(tb - ta, 1e-9)
+            return pts[-1][1]
+        return int(at(t1) - at(t0))
+
+
+def _cli_json(lb: lab.Lab, host: str, *args: str, timeout: float = 60.0) -> Any:
+    """`peerd ARGS --json` on host; None when it fails or exceeds timeout (a loaded machine)."""
+    try:
+        p = lb.run(host, _py("-m", "cli.main", *args, "--json"), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def _wait_swarm(lb: lab.Lab, timeout: float) -> dict[str, str]:
+    """host -> node id, once every daemon lists every other as alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = {h: _cli_json(lb, h, "status", timeout=max(1.0, deadline - time.monotonic())) for h in lb.hosts}
+        if all(status.values()):
+            ids = {h: s["node_id"] for h, s in status.items()}
+            if all({p["node_id"] for p in s.get("peers", []) if p.get("state") == "alive"} >= set(ids.values()) - {ids[h]}
+                   for h, s in status.items()):
+                return ids
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"lab {lb.id}: the daemons did not all see each other within {timeout:g}s "
+                               f"(bench_swarm_timeout); logs in {lb.dir}")
+        time.sleep(1.0)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by a killed process
+    return out
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str, watch: Callable[[], str],
+              echo: Callable[[str], None], every: float = 10.0) -> None:
+    """Wait for every process, printing `watch()` every `every` seconds; kill all on timeout or
+    on the first failure (a dead rank would otherwise leave the others waiting)."""
+    start = time.monotonic()
+    last = start
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"{what}: a host's process exited with code {failed[0].returncode}")
+            now = time.monotonic()
+            if now - start > timeout:
+                raise RuntimeError(f"{what}: did not finish within {timeout:g}s (bench_run_timeout)")
+            if now - last >= every:
+                last = now
+                echo(f"    {now - start:5.0f}s  {watch()}")
+            time.sleep(0.5)
+        failed = [p for p in procs if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{what}: a host's process exited with code {failed[0].returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+@dataclass
+class RunFiles:
+    """Per host: progress records (peerd train --json shape), per-iteration trace, final model."""
+    progress: dict[str, Path] = field(default_factory=dict)
+    trace: dict[str, Path] = field(default_factory=dict)
+    models: list[Path] = field(default_factory=list)
+    error: str | None = None      # the run failed or hung; what it recorded until then still counts
+
+
+def _iter_watch(files: RunFiles) -> Callable[[], str]:
+    def watch() -> str:
+        its = []
+        for h, path in files.trace.items():
+            try:
+                last = path.read_bytes().rstrip().rsplit(b"\n", 1)[-1]
+                its.append(f"{h}:{json.loads(last)['it']}")
+            except (OSError, ValueError, KeyError, IndexError):
+                its.append(f"{h}:-")
+        return "iterations " + " ".join(its)
+    return watch
+
+
+def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run_dir: Path, cfg: Config,
+              echo: Callable[[str], None]) -> RunFiles:
+    files = RunFiles()
+    before = {h: set(_checkpoint_dirs(lb, h)) for h in lb.hosts}
+    procs = []
+    for h in lb.hosts:
+        files.progress[h] = run_dir / f"{h}.progress.jsonl"
+        argv = _py("-m", "cli.main", "train", "--task", st.task, "--algo", algo, "--world", str(len(lb.hosts)),
+                   "--iterations", str(st.iterations), "--seed", str(seed), "--eval-every", str(st.eval_every),
+                   "--topology", st.topology, "--slowdown", f"{lb.slowdown(h):g}", "--step-time", str(st.step_time),
+                   "--slow-prob", str(sc.slow_prob), "--slow-factor", str(sc.slow_factor), "--trace", "--json",
+                   "--join-timeout", str(cfg.bench_swarm_timeout))
+        with open(files.progress[h], "w") as fh:  # a file, not a pipe: a full pipe would stall the stream
+            procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True))
+    # the trainers' checkpoint dirs appear once the run forms; the watcher finds them as they do
+    def locate() -> None:
+        for h in lb.hosts:
+            if h not in files.trace:
+                new = [d for d in _checkpoint_dirs(lb, h) if d not in before[h]]
+                if new:
+                    files.trace[h] = new[0] / "trace.jsonl"
+    watch = _iter_watch(files)
+
+    def watch_and_locate() -> str:
+        locate()
+        return watch()
+    try:
+        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/{algo}/seed {seed}", watch_and_locate, echo)
+    except RuntimeError as e:
+        files.error = str(e)
+    locate()
+    missing = [h for h in lb.hosts if h not in files.trace]
+    if missing:
+        raise RuntimeError(f"{sc.name}/{algo}: no checkpoint directory of this run on {', '.join(missing)}"
+                           + (f" ({files.error})" if files.error else ""))
+    for h in lb.hosts:  # keep the traces with the run; the lab's data dirs go with the lab
+        trace = run_dir / f"{h}.trace.jsonl"
+        trace.write_bytes(files.trace[h].read_bytes() if files.trace[h].exists() else b"")
+        files.trace[h] = trace
+    files.models = [d for d in (_newest_model(lb, h, before[h]) for h in lb.hosts) if d is not None]
+    return files
+
+
+def _checkpoint_dirs(lb: lab.Lab, host: str) -> list[Path]:
+    root = Path(lb.state["hosts"][host]["data_dir"]) / "checkpoints"
+    return sorted(root.iterdir()) if root.exists() else []
+
+
+def _newest_model(lb: lab.Lab, host: str, before: set[Path]) -> Path | None:
+    new = [d / "latest.pt" for d in _checkpoint_dirs(lb, host) if d not in before and (d / "latest.pt").exists()]
+    return new[0] if new else None
+
+
+def run_ddp(lb: lab.Lab, sc: Scenario, seed: int, st: Settings, run_dir: Path, cfg: Config, port: int,
+            echo: Callable[[str], None]) -> RunFiles:
+    files = RunFiles()
+    master = lb.ip(lb.hosts[0])
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    procs = []
+    model = run_dir / "ddp-model.pt"
+    for rank, h in enumerate(lb.hosts):
+        files.progress[h] = run_dir / f"{h}.progress.jsonl"
+        files.trace[h] = run_dir / f"{h}.trace.jsonl"
+        argv = _py("-m", "torch.distributed.run", "--nnodes", str(len(lb.hosts)), "--node-rank", str(rank),
+                   "--master-addr", master, "--master-port", str(port), "--nproc-per-node", "1",
+                   "-m", "peerd.bench.ddp_worker", "--task", st.task, "--iterations", str(st.iterations),
+                   "--seed", str(seed), "--eval-every", str(st.eval_every), "--step-time", str(st.step_time),
+                   "--slowdown", f"{lb.slowdown(h):g}", "--slow-prob", str(sc.slow_prob),
+                   "--slow-factor", str(sc.slow_factor), "--timeout", str(cfg.bench_gloo_timeout),
+                   "--trace", str(files.trace[h]), "--progress", str(files.progress[h]), "--model-out", str(model))
+        with open(run_dir / f"{h}.log", "w") as fh:
+            procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env))
+    try:
+        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/ddp/seed {seed}", _iter_watch(files), echo)
+    except RuntimeError as e:
+        files.error = str(e)
+    files.models = [model] if model.exists() else []
+    return files
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+def time_to_target(progress: dict[str, list[dict]], target: float, t0: float) -> float | None:
+    """Seconds from t0 until the mean of the hosts' newest evaluated accuracies reaches target
+    (a host not evaluated yet counts as 0)."""
+    events = sorted((r["t"], h, r["metric"]) for h, recs in progress.items() for r in recs
+                    if r.get("metric_name") == "accuracy")
+    latest = dict.fromkeys(progress, 0.0)
+    for t, h, metric in events:
+        latest[h] = metric
+        if sum(latest.values()) / len(latest) >= target:
+            return t - t0
+    return None
+
+
+def averaged_accuracy(task_name: str, models: list[Path]) -> float | None:
+    import torch
+
+    from peerd.train.tasks import evaluate_average, get_task
+
+    if not models:
+        return None
+    task = get_task(task_name)
+    nets = []
+    for path in models:
+        m = task.build(0)
+        m.load_state_dict(torch.load(path, weights_only=True, map_location="cpu")["model"])
+        nets.append(m)
+    return evaluate_average(task, nets)["accuracy"]
+
+
+def model_bytes(task_name: str) -> int:
+    from peerd.train.tasks import get_task
+
+    return sum(p.numel() * p.element_size() for p in get_task(task_name).build(0).parameters())
+
+
+def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list[str], files: RunFiles,
+              sampler: TxSampler | None, prof_name: str) -> dict[str, Any]:
+    """One JSON record from a run's files (sampler None: bytes unknown)."""
+    traces = {h: _read_jsonl(files.trace[h]) for h in hosts}
+    progress = {h: _read_jsonl(files.progress[h]) for h in hosts}
+    if not all(traces.values()):
+        raise RuntimeError(f"{sc.name}/{contender}: empty trace on "
+                           f"{', '.join(h for h, t in traces.items() if not t)}")
+    t0 = min(t[0]["start"] for t in traces.values())
+    t_end = max(t[-1]["t"] for t in traces.values())
+    tx = {h: sampler.between(h, t0, t_end) if sampler else None for h in hosts}
+    per_host = {}
+    computes = []
+    for h, tr in traces.items():
+        dur = tr[-1]["t"] - t0
+        comp = [r["compute_s"] for r in tr]
+        computes += comp
+        per_host[h] = {"steps": len(tr), "last_iteration": tr[-1]["it"], "duration_s": dur,
+                       "it_per_s": len(tr) / dur, "idle_fraction": max(0.0, 1 - sum(comp) / dur),
+                       "iter_time_s": dur / len(tr), "bytes_sent": tx[h]}
+    ttt = time_to_target(progress, st.target, t0)
+    steps = sum(v["steps"] for v in per_host.values())
+    sent = sum(tx.values()) if sampler else None
+    return {
+        "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(hosts),
+        "task": st.task, "model_bytes": model_bytes(st.task), "iterations": st.iterations, "target": st.target,
+        "time_to_target_s": ttt, "reached_target": ttt is not None,
+        "wall_s": max(v["duration_s"] for v in per_host.values()),
+        "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
+        "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
+        "bytes_sent": sent, "bytes_per_step": None if sent is None else sent / steps,
+        "final_accuracy": averaged_accuracy(st.task, files.models),
+        "step_time_mean": statistics.mean(computes), "step_time_std": statistics.pstdev(computes),
+        "iter_time_s": statistics.mean(v["iter_time_s"] for v in per_host.values()),
+        "step_time_setting": st.step_time, "slow_prob": sc.slow_prob, "slow_factor": sc.slow_factor,
+        "per_host": per_host,
+    }
+
+
+# --- the whole benchmark ----------------------------------------------------------------------
+
+def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, out: Path,
+        cfg: Config | None = None, echo: Callable[[str], None] = print,
+        json_file: Path | None = None) -> list[dict[str, Any]]:
+    """Run every (scenario, contender, seed); append each record to out/results.jsonl (and
+    json_file) as it completes; return the records."""
+    cfg = cfg or Config()
+    for name in scenarios:
+        if name not in SCENARIOS:
+            raise ValueError(f"scenario: unknown {name!r}; known: {', '.join(SCENARIOS)}")
+    for c in contenders:
+        if c != "ddp":
+            from peerd.sync.registry import ALGORITHMS
+            if c not in ALGORITHMS:
+                raise ValueError(f"contender: unknown {c!r}; known: ddp, {', '.join(ALGORITHMS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"settings": asdict(st), "seeds": seeds, "scenarios": scenarios, "contenders": contenders,
+            "started": time.time(), "model_bytes": model_bytes(st.task),
+            "descriptions": {s: SCENARIOS[s].description for s in scenarios}}
+    if (out / "meta.json").exists():  # adding scenarios or contenders to a run: same settings only
+        old = json.loads((out / "meta.json").read_text())
+        if old["settings"] != meta["settings"]:
+            raise ValueError(f"{out} holds a run with other settings ({old['settings']}); use another --out")
+        meta["scenarios"] = old["scenarios"] + [s for s in scenarios if s not in old["scenarios"]]
+        meta["contenders"] = old["contenders"] + [c for c in contenders if c not in old["contenders"]]
+        meta["descriptions"] = {**old["descriptions"], **meta["descriptions"]}
+        meta["started"], meta["seeds"] = old["started"], max(old["seeds"], seeds)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    results_path = out / "results.jsonl"
+    records: list[dict[str, Any]] = []
+    total = len(scenarios) * len(contenders) * seeds
+    n = 0
+    started = time.monotonic()
+    port = cfg.bench_master_port
+    for name in scenarios:
+        sc = SCENARIOS[name]
+        hosts = st.hosts or sc.hosts
+        prof = profile.load(sc.profile, hosts)
+        lab_dir = out / name / "lab"
+        if lab_dir.exists():
+            lab.down(lab_dir, cfg, purge=True)
+        echo(f"== scenario {name}: {sc.description} (profile {sc.profile}, {hosts} hosts); starting the lab")
+        lab.up(prof, lab_dir, cfg, daemon_args=DAEMON_ARGS)
+        try:
+            lb = lab.Lab(lab_dir)
+            ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
+            (out / name / "hosts.json").write_text(json.dumps(
+                {h: {"node_id": ids[h], "ip": lb.ip(h), "slowdown": lb.slowdown(h)} for h in lb.hosts}, indent=2))
+            for seed in range(seeds):
+                for contender in contenders:
+                    n += 1
+                    run_dir = out / name / contender / f"seed{seed}"
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    echo(f"[{n}/{total}] {name} / {contender} / seed {seed}   "
+                         f"(elapsed {time.monotonic() - started:.0f}s)")
+                    t = time.monotonic()
+                    try:
+                        with TxSampler(lb, cfg.bench_tx_interval) as tx:
+                            if contender == "ddp":
+                                port += 1  # a fresh rendezvous port per run: no TIME_WAIT clash
+                                files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
+                            else:
+                                files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
+                        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name)
+                        if files.error:  # measured until it failed: times count, the run is marked
+                            rec["error"] = files.error
+                            echo(f"    FAILED (measured until then): {files.error}")
+                    except RuntimeError as e:
+                        rec = {"scenario": name, "contender": contender, "seed": seed, "profile": prof.name,
+                               "hosts": hosts, "error": str(e), "time_to_target_s": None, "reached_target": False}
+                        echo(f"    FAILED: {e}")
+                    rec["run_s"] = time.monotonic() - t
+                    records.append(rec)
+                    for path in (results_path, json_file):
+                        if path is not None:
+                            with open(path, "a") as fh:
+                                fh.write(json.dumps(rec) + "\n")
+                    if "it_per_s" in rec:
+                        ttt = rec["time_to_target_s"]
+                        echo(f"    {'missed the target' if ttt is None else f'target {st.target:.0%} after {ttt:.1f}s'}"
+                             f"; {rec['it_per_s']:.2f} it/s per host, idle {rec['idle_fraction']:.0%}, "
+                             f"{rec['bytes_per_step'] / 1e6:.2f} MB sent per step, "
+                             f"averaged model {rec['final_accuracy'] if rec['final_accuracy'] is None else round(rec['final_accuracy'], 3)}")
+            links = {h: _cli_json(lb, h, "links") for h in lb.hosts}
+            (out / name / "links.json").write_text(json.dumps(links, indent=2))
+        finally:
+            lab.down(lab_dir, cfg, purge=False)
+            for h in prof.hosts:  # checkpoints are large; logs and traces stay
+                shutil.rmtree(lab_dir / h.name / "data" / "checkpoints", ignore_errors=True)
+    return records
