@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 # Fast failure detection: a cut or a crash is seen within DEAD_AFTER.
 DEAD_AFTER = 2.0
+JOINED_MARGIN = 1.5   # consensus distance after the heal vs the joined swarm's before the cut
 FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", str(DEAD_AFTER),
         "--rpc-timeout", "1.0", "--connect-retry-max", "1.0", "--link-min-probe-gap", "1")
 
@@ -119,5 +120,3 @@ def test_partition_and_heal_on_two_sites(make_lab):
     print(f"consensus distance: joined {joined:.3f}, at the heal {apart:.3f}, after the run {after:.3f}")
     assert after <= JOINED_MARGIN * joined, (joined, apart, after)
 
-
-JOINED_MARGIN = 1.5   # consensus distance after the heal vs the joined swarm's before the cut
