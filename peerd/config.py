@@ -153,6 +153,12 @@ class Config:
     train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
                                                 "(then mixes without it until its next update); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")
+    train_pull_timeout: float = _f(5.0, "most seconds one pull (NetMax, AD-PSGD) may go unanswered (failed, refused, "
+                                        "not found, or no reply) before the policy pulls another peer or takes "
+                                        "the local step; keep it below train_silent_peer_timeout and above one "
+                                        "model transfer over the slowest link")
+    train_pull_backoff: float = _f(10.0, "seconds a peer whose pull failed is not pulled again (the other peers are, "
+                                         "or the host steps locally); not for good: a hiccup does not remove a link")
 
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "

@@ -29,6 +29,10 @@ Readings chosen here (the policy docstrings cover the algorithms):
   a notice (a hung trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout`
   is treated as absent until its next update. So no host waits on a silent neighbour longer than
   that bound.
+- A pull (NetMax, AD-PSGD) is answered within `train_pull_timeout` or the policy hears PullFailed
+  and pulls another peer (or steps locally): a pull a peer cannot answer (no parameters yet, not
+  attached, run ended, a failed transfer, a lost reply) is never retried forever nor waited on
+  until the trainer's `train_mix_timeout`.
 - A restarted trainer resumes at the run's iteration, not its own: its daemon asks the live
   neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
   resets its token edges as a PeerUp from each; a neighbour re-admits it at its first update.
@@ -200,6 +204,7 @@ class TrainingRun:
         self.received: dict[tuple[int, int], Received] = {}
         self.unattached: list[Received] = []   # updates that arrived before our trainer attached
         self.deferred_sends: list[ev.Send] = []  # sends asked for before we had parameters
+        self.pull_answers: dict[tuple[int, int], asyncio.Event] = {}   # (dst, k): a carried pull's answer
         self.mix_waiters: dict[int, asyncio.Future] = {}
         self.ready_mixes: dict[int, tuple[ev.Mix, int, torch.Tensor | None]] = {}
         self.skip_after: dict[int, int] = {}
@@ -259,7 +264,7 @@ class TrainingRun:
             case ev.Send():
                 self._send(a)
             case ev.Pull():
-                self._spawn(self._pull(a.dst, a.carry_k), f"pull {a.dst}")
+                self._spawn(self._pull(a.dst, a.carry_k, self.policy.k), f"pull {a.dst}")
             case ev.Grant():
                 self._queue(a.dst).put_nowait(("grant", a.n))
             case ev.Mix():
@@ -345,6 +350,12 @@ class TrainingRun:
         fut = self.mix_waiters.get(k)
         if fut is None or fut.done():
             return
+        if self.policy.waiting.reason == "pull":
+            # A pull's wait has its own, shorter bound (train_pull_timeout -> PullFailed), which
+            # does not exclude the peer for good: pull policies get no unasked-for updates that
+            # would ever mark a "silent" peer present again.
+            self._arm_silent(k)
+            return
         for src in list(self.policy.waiting.on):
             log.warning("no update from %s for %.1fs at iteration %d: not waited for until it sends one",
                         self.nodes[src], self.d.cfg.train_silent_peer_timeout, k)
@@ -419,6 +430,10 @@ class TrainingRun:
         if src < 0:
             rec.release()
             return
+        if not rec.kind.startswith("carry"):
+            for (dst, _), answered in self.pull_answers.items():
+                if dst == src:
+                    answered.set()
         if src in self.absent:
             self._set_present(src, rec.iteration)
         if self.layout is None:
@@ -547,24 +562,37 @@ class TrainingRun:
                     if self.sending[item[1]] <= 0:
                         del self.sending[item[1]]
 
-    async def _pull(self, dst: int, carry_k: int) -> None:
+    async def _pull(self, dst: int, carry_k: int, k: int) -> None:
+        """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
+        carried pull the peer's pushed reply) must arrive within `train_pull_timeout`; otherwise
+        (failed, refused, NOT_FOUND throughout, or answered with nothing: a peer not attached yet,
+        or whose run ended) the policy hears PullFailed and pulls another peer or steps locally."""
         node = self.nodes[dst]
         member = self.d.membership.get(node)
-        if member is None:
-            return
+        key = (dst, k)
         try:
-            if carry_k != ev.CURRENT and carry_k in self.own_out:
-                await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
-                                         kind=self.kind("carry"))
-            else:
-                self.on_received(await self._pull_until_served(node))
+            if member is None:
+                raise TransferError("peer_down", f"{node} is not a member")
+            async with asyncio.timeout(self.d.cfg.train_pull_timeout):
+                if carry_k != ev.CURRENT and carry_k in self.own_out:
+                    answered = self.pull_answers[key] = asyncio.Event()
+                    await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
+                                             kind=self.kind("carry"))
+                    await answered.wait()
+                else:
+                    self.on_received(await self._pull_until_served(node))
+            return
         except (TransferError, grpc.aio.AioRpcError) as e:
             log.info("pull from %s failed: %s", node, e)
+        except TimeoutError:
+            log.info("pull from %s unanswered after %.1fs", node, self.d.cfg.train_pull_timeout)
+        finally:
+            self.pull_answers.pop(key, None)
+        self.feed(ev.PullFailed(dst, k))
 
     async def _pull_until_served(self, node: str) -> Received:
         """A peer that has no parameters yet (its trainer is starting) answers NOT_FOUND: ask
-        again, backing off, for as long as it is alive. The failure detector, not a failed pull,
-        tells the policy that a peer is gone."""
+        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout)."""
         delay = 0.02
         while True:
             member = self.d.membership.get(node)

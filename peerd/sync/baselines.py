@@ -14,7 +14,10 @@
   replaces them by the pair average at once (Average); the active mixes 1/2 x_k + 1/2 x_passive.
   The two halves use the same two vectors, so the pair average is exact and the mean of all models
   is preserved by the averaging. A passive worker's own mix is its working parameters (which the
-  actives average into) - its gradient step.
+  actives average into) - its gradient step. A pull that fails or goes unanswered (PullFailed,
+  bounded by the driver) goes to another live passive; the failed one is not pulled for
+  `pull_backoff` seconds (nor again in that iteration); with none left the active's mix is its
+  local step (the pair average may still have happened passively).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import random
 from typing import Any
 
 from peerd.sync.events import (CURRENT, Action, Average, Drop, Mix, MixRequested, PeerDown, Published,
-                               Pull, PullRequested, Send, UpdateArrived, Wait)
+                               Pull, PullFailed, PullRequested, Send, UpdateArrived, Wait)
 from peerd.sync.hop import Hop
 from peerd.sync.policy import Policy
 from peerd.sync.topology import OnePeerExp, Topology, repair
@@ -49,7 +52,8 @@ class SGP(DPSGD):
 class ADPSGD(Policy):
     name = "ad-psgd"
 
-    def __init__(self, me: int, topo: Topology, *, seed: int = 0, active: bool | None = None) -> None:
+    def __init__(self, me: int, topo: Topology, *, seed: int = 0, active: bool | None = None,
+                 pull_backoff: float = 10.0) -> None:
         super().__init__(me, topo.n)
         self.topo = topo
         self.active = (me % 2 == 0) if active is None else active
@@ -60,11 +64,15 @@ class ADPSGD(Policy):
         self.pulling: int | None = None
         self.reply: tuple[int, int] | None = None
         self.want = -1
+        self.failed: set[int] = set()   # passives whose pull failed in this iteration
+        self.retry_at: dict[int, float] = {}   # passive -> when a failed one may be pulled again
+        self.pull_backoff = pull_backoff
 
-    def _pick(self, k: int) -> list[Action]:
+    def _pick(self, k: int, now: float) -> list[Action]:
         # The graph repaired around the dead (topology.repair), still active -> passive only.
         live = [j for j in repair(self.topo, self.dead).out_neighbors(self.me)
-                if (j % 2 == 0) != self.active and j not in self.dead]
+                if (j % 2 == 0) != self.active and j not in self.dead and j not in self.failed
+                and self.retry_at.get(j, now) <= now]
         if not live:
             self.pulling = None
             return []
@@ -74,7 +82,8 @@ class ADPSGD(Policy):
     def on_published(self, ev: Published, now: float) -> list[Action]:
         self.k = ev.k
         self.reply = None
-        return self._pick(ev.k) if self.active else []
+        self.failed.clear()
+        return self._pick(ev.k, now) if self.active else []
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         self.want = ev.k
@@ -93,9 +102,17 @@ class ADPSGD(Policy):
                 Average(((self.me, CURRENT, 0.5), (ev.src, ev.k, 0.5))),
                 Drop(ev.src, ev.k)]
 
+    def on_pull_failed(self, ev: PullFailed, now: float) -> list[Action]:
+        # Another passive partner (the failed one rests pull_backoff seconds); none left: the local step.
+        if not self.active or ev.k != self.k or ev.peer != self.pulling or self.reply is not None:
+            return []
+        self.failed.add(ev.peer)
+        self.retry_at[ev.peer] = now + self.pull_backoff
+        return self._pick(self.k, now) + self._try(now)
+
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         if self.active and self.pulling == ev.peer and self.reply is None and self.k >= 0:
-            return self._pick(self.k) + self._try(now)
+            return self._pick(self.k, now) + self._try(now)
         return self._try(now)
 
     def _try(self, now: float) -> list[Action]:

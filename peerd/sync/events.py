@@ -55,6 +55,15 @@ class PullRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class PullFailed:
+    """My Pull(peer) issued at iteration k got no answer within the driver's bound (the pull
+    failed, was refused, or the peer answered nothing). The pull is over: a late answer may
+    still arrive and is treated as any unasked-for update."""
+    peer: int
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDown:
     peer: int
 
@@ -81,8 +90,8 @@ class Tick:
     """Time passed (a Wait deadline was reached, or the driver's periodic timer)."""
 
 
-Event = Published | MixRequested | UpdateArrived | TokensArrived | PullRequested | PeerDown | PeerUp \
-    | LinkEstimates | Tick
+Event = Published | MixRequested | UpdateArrived | TokensArrived | PullRequested | PullFailed | PeerDown \
+    | PeerUp | LinkEstimates | Tick
 
 
 # --- actions (policy -> driver) -----------------------------------------------------------------

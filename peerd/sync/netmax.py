@@ -25,6 +25,9 @@ Probability matrix (reading choices; the paper's exact objective is reconstructe
   two-sites scenario (1.0 gave 8.2 s, 0.3 gave 5.5 s to target there); it is a Config knob.
 - Outer search: tbar on a geometric grid from the least feasible budget (max_i min_m t_im) to
   max_i max_m t_im, plus uniform's own budget; keep the P with the least tbar * (1 + beta / gap).
+- A pull that fails or goes unanswered (the driver bounds it; PullFailed) is drawn again from P
+  without that peer, which is not pulled again for `pull_backoff` seconds (nor again in that
+  iteration); with no peer left the mix is the local step.
 - Re-solved when any link estimate moves by more than `resolve_frac` (relative), and on PeerDown /
   PeerUp (dead peers get probability 0). Solutions are cached by input so N policies in one process
   solve once.
@@ -39,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp,
-                               Published, Pull, UpdateArrived, Wait)
+                               Published, Pull, PullFailed, UpdateArrived, Wait)
 from peerd.sync.policy import Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology
@@ -201,14 +204,15 @@ class NetMax(Policy):
     name = "netmax"
 
     def __init__(self, me: int, topo: Topology, *, probs: str = "opt", gamma: float = 0.5,
-                 resolve_frac: float = 0.2, consensus: float = 0.3, seed: int = 0) -> None:
+                 resolve_frac: float = 0.2, consensus: float = 0.3, seed: int = 0,
+                 pull_backoff: float = 10.0) -> None:
         super().__init__(me, topo.n)
         if probs not in PROBS:
             raise ValueError(f"probs: expected one of {PROBS}, got {probs!r}")
         if not 0 < gamma <= 1:
             raise ValueError(f"gamma: must be in (0, 1], got {gamma}")
         self.topo, self.kind, self.gamma, self.resolve_frac = topo, probs, gamma, resolve_frac
-        self.consensus = consensus
+        self.consensus, self.pull_backoff = consensus, pull_backoff
         if probs != "opt":
             self.name = f"netmax-{probs}"
         self.adj = topo.adjacency()
@@ -219,6 +223,8 @@ class NetMax(Policy):
         self.pulling: int | None = None
         self.reply: tuple[int, int] | None = None
         self.want = -1
+        self.failed: set[int] = set()   # peers whose pull failed in this iteration
+        self.retry_at: dict[int, float] = {}   # peer -> when a failed peer may be pulled again
 
     def _live_adj(self) -> np.ndarray:
         """The graph repaired around the dead (a ring re-links around the hole; dead rows empty)."""
@@ -238,9 +244,10 @@ class NetMax(Policy):
             self._resolve()
         return self.P[self.me]  # type: ignore[index]
 
-    def _pick(self, k: int) -> list[Action]:
+    def _pick(self, k: int, now: float) -> list[Action]:
         row = self.row()
-        peers = [j for j in np.flatnonzero(row > 0) if j not in self.dead]
+        peers = [j for j in np.flatnonzero(row > 0)
+                 if j not in self.dead and j not in self.failed and self.retry_at.get(j, now) <= now]
         if not peers:
             self.pulling = None
             return []
@@ -251,7 +258,8 @@ class NetMax(Policy):
     def on_published(self, ev: Published, now: float) -> list[Action]:
         self.k = ev.k
         self.reply = None
-        return self._pick(ev.k)
+        self.failed.clear()
+        return self._pick(ev.k, now)
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         self.want = ev.k
@@ -279,8 +287,17 @@ class NetMax(Policy):
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         self._resolve()
         if self.pulling == ev.peer and self.reply is None and self.k >= 0:
-            return self._pick(self.k) + self._try(now)
+            return self._pick(self.k, now) + self._try(now)
         return self._try(now)
+
+    def on_pull_failed(self, ev: PullFailed, now: float) -> list[Action]:
+        # Draw again from P without the failed peer, which is skipped for pull_backoff seconds
+        # (not for good: a hiccup does not remove a link); with no one left, the local step.
+        if ev.k != self.k or ev.peer != self.pulling or self.reply is not None:
+            return []
+        self.failed.add(ev.peer)
+        self.retry_at[ev.peer] = now + self.pull_backoff
+        return self._pick(self.k, now) + self._try(now)
 
     def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
         self._resolve()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
-                               Published, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
+                               Published, PullFailed, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
                                WaitInfo)
 
 
@@ -46,6 +46,8 @@ class Policy:
                 return self.on_tokens(ev, now)
             case PullRequested():
                 return self.on_pull_request(ev, now)
+            case PullFailed():
+                return self.on_pull_failed(ev, now)
             case PeerDown():
                 self.dead.add(ev.peer)
                 return self.on_peer_down(ev, now)
@@ -75,6 +77,9 @@ class Policy:
     def on_pull_request(self, ev: PullRequested, now: float) -> list[Action]:
         # Serve a pull with the newest published parameters.
         return [Send(ev.src, self.k)] if self.k >= 0 else []
+
+    def on_pull_failed(self, ev: PullFailed, now: float) -> list[Action]:
+        return []
 
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         return []
