@@ -46,7 +46,9 @@ def _live(data_dir: str | None, timeout: float, cfg, step: tuple[float, float] |
     finally:
         channel.close()
     notes = []
-    training = json.loads(status.training_json) if status.training_json else {}
+    # The active run, else the last one that ended here (its step times are still this host's).
+    last = status.training_json or status.last_training_json
+    training = json.loads(last) if last else {}
     nodes = training.get("nodes") or None
     if nodes is None:
         alive = [p.node_id for p in status.peers if p.state == "alive"]

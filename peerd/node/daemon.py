@@ -79,6 +79,7 @@ class Daemon:
         self.link_matrix: LinkMatrix | None = None  # the swarm's link estimates, for the sync policies
         self.discovery = None                       # MdnsDiscovery while mDNS runs
         self.training = None                        # the TrainingRun of `peerd train`, when one is active
+        self.last_training_state: dict | None = None   # state() of the last run that ended
         self._early: list[Received] = []       # peers' updates that arrived before our run started
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -540,6 +541,7 @@ class Daemon:
 
     def end_run(self, run) -> None:
         if self.training is run:
+            self.last_training_state = run.state()   # `peerd plan` reads its step times after the run
             self.training = None
 
     # --- observability ------------------------------------------------------------------------
@@ -558,6 +560,8 @@ class Daemon:
                                peers=peers, data_dir=str(self.data.path), tls=bool(self.cfg.tls_cert),
                                training_json=json.dumps(self.training.state(), default=str)
                                if self.training is not None else "",
+                               last_training_json=json.dumps(self.last_training_state, default=str)
+                               if self.last_training_state is not None else "",
                                refused_calls=gate["refused"], rate_limited_calls=gate["rate_limited"],
                                rate_limit_entries=gate["rate_limit_entries"], refusal_log_lines=gate["log_lines"])
 

@@ -38,7 +38,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ..., bad_updates: _Optional[int] = ..., flagged_for_s: _Optional[float] = ..., last_offence: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines")
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines", "last_training_json")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class StatusReply(_message.Message):
     RATE_LIMITED_CALLS_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMIT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_LOG_LINES_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     run_id: str
@@ -71,7 +72,8 @@ class StatusReply(_message.Message):
     rate_limited_calls: int
     rate_limit_entries: int
     refusal_log_lines: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ...) -> None: ...
+    last_training_json: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ..., last_training_json: _Optional[str] = ...) -> None: ...
 
 class LinksRequest(_message.Message):
     __slots__ = ()
