@@ -118,10 +118,10 @@ def plot(results: dict[str, list[list[dict]]], path: Path, slow: int) -> bool:
 
 @click.command()
 @click.option("--hosts", default=4, show_default=True, type=click.IntRange(3, 8), help="daemons to start")
-@click.option("--iterations", default=200, show_default=True, help="training iterations per run")
+@click.option("--iterations", default=120, show_default=True, help="training iterations per run")
 @click.option("--slowdown", default=4.0, show_default=True, help="how much slower the last host computes")
 @click.option("--target", default=0.9, show_default=True, help="accuracy every host must reach")
-@click.option("--compute-scale", default=20.0, show_default=True,
+@click.option("--compute-scale", default=100.0, show_default=True,
               help="every host stretches each step to this many times its real compute, to emulate a model "
                    "whose compute outweighs the per-iteration overhead (the digit CNN takes about 1 ms a step)")
 @click.option("--dir", "workdir", default=".demo", show_default=True, type=click.Path(file_okay=False),
