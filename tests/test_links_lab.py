@@ -55,7 +55,9 @@ def test_estimates_follow_a_shaped_link_and_its_change(lab):
     server = start_server(lab)
     with tempfile.TemporaryDirectory() as d:
         flag = Path(d) / "changed"
-        prober = lab.popen(0, [HELPER, "probe", f"{lab.ips[1]}:7300", "9", str(flag), "0.2"])
+        # 12 s: the change at 4.5 s, a probe in flight then (up to its ~3 s deadline), then the
+        # confirming probe (~2 s at 8 Mbit).
+        prober = lab.popen(0, [HELPER, "probe", f"{lab.ips[1]}:7300", "12", str(flag), "0.2"])
         time.sleep(4.5)
         shape(lab, "8mbit", change=True)
         flag.touch()
