@@ -6,9 +6,6 @@ The lab test runs as root (CI does); it skips only where network namespaces cann
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 
@@ -16,19 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from peerd.train.pace import Pace
-
-
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "lab tests need root to create network namespaces"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "lab tests need iproute2 (`ip netns`, `tc`)"
-    name = f"peerd-probe-{os.urandom(3).hex()}"
-    p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if p.returncode != 0:
-        return f"`ip netns add` is refused here: {p.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-    return None
+from tests.test_daemon_lab import _WHY   # why lab tests cannot run here (None: they can)
 
 
 def test_random_slowdowns_are_deterministic_per_seed_rank_iteration_and_near_their_probability():
@@ -57,7 +42,6 @@ def test_pad_sleeps_to_the_target():
     assert took >= 0.1
 
 
-_WHY = _netns_unavailable()
 
 
 @pytest.mark.lab
