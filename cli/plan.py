@@ -155,17 +155,20 @@ def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_j
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per scenario")
 def check_cmd(results: str, as_json: bool) -> None:
-    """Compare predicted with measured per-iteration times (JSON lines: scenario, contender, profile,
-    model_bytes, step_time_mean, step_time_std, iter_time_s, hosts; optional topology). Flags errors
-    above 25 % and says whether the recommended contender was the measured fastest or within 10 %.
-    Exits 1 when any prediction is flagged or any recommendation missed."""
+    """Compare predicted with measured per-iteration times (`peerd bench scenarios` records: JSON
+    lines with scenario, contender, profile, model_bytes, iter_time_s, hosts, per_host; optional
+    topology). The model is fed each record's measured per-host compute and overhead. Flags errors
+    above 25 % and says whether the recommended contender was the measured fastest or within 10 %;
+    failed runs are left out and listed. Exits 1 when any prediction is flagged or any
+    recommendation missed."""
     from peerd.config import Config
     from peerd.lab.profile import ProfileError, load
     from peerd.plan import check
 
     try:
         with open(results) as fh:
-            records = check.parse_lines(fh, results)
+            skipped: list[str] = []
+            records = check.parse_lines(fh, results, skipped)
         scens = check.check(records, lambda name, n: load(name, n), Config())
     except (check.CheckError, ProfileError) as e:
         raise click.ClickException(str(e)) from None
@@ -174,5 +177,7 @@ def check_cmd(results: str, as_json: bool) -> None:
             click.echo(json.dumps(s.record()))
     else:
         click.echo(check.render(scens))
+        for line in skipped:
+            click.echo(f"note: {line}")
     ok = all(not r.flagged for s in scens for r in s.rows) and all(s.recommendation_ok for s in scens)
     sys.exit(0 if ok else 1)

@@ -57,7 +57,8 @@ def test_profile_needs_model_bytes_and_step_time():
 
 def _rec(scen: str, contender: str, measured: float, **kw) -> str:
     base = {"scenario": scen, "contender": contender, "profile": "two-sites", "model_bytes": 1e8,
-            "step_time_mean": 0.2, "step_time_std": 0.0, "iter_time_s": measured, "hosts": 4}
+            "iter_time_s": measured, "hosts": 4,
+            "per_host": {f"h{i + 1}": {"rank": i, "compute_mean_s": 0.2, "compute_std_s": 0.0} for i in range(4)}}
     return json.dumps(base | kw)
 
 

@@ -76,8 +76,8 @@ def test_pure_bandwidth():
     assert rel(predict_one(net, comp, M, "sgp", "exp-directed", nov), M / B) < 1e-6
     # One-peer pull: the model comes back once per iteration.
     assert rel(predict_one(net, comp, M, "netmax", "complete", nov), M / B) < 1e-6
-    # AD-PSGD's active worker sends its model and gets one back.
-    assert rel(predict_one(net, comp, M, "ad-psgd", "ring", nov), 2 * M / B) < 1e-6
+    # AD-PSGD's active workers (half) send their model and get one back; the passive never wait.
+    assert rel(predict_one(net, comp, M, "ad-psgd", "ring", nov), (2 * M / B + 0) / 2) < 1e-6
     # A shared egress of B per host: the complete graph's n-1 sends share it.
     shared = tuple(Shared(f"out{i}", B, frozenset((i, j) for j in range(n) if j != i)) for i in range(n))
     net_s = Network(net.bandwidth, net.latency, shared)
@@ -94,7 +94,7 @@ def test_pure_latency():
     assert rel(predict_one(net, comp, 1, "d-psgd", "ring", o), L) < 1e-6
     assert rel(predict_one(net, comp, 1, "hop", "ring", o), L) < 1e-6
     assert rel(predict_one(net, comp, 1, "netmax", "ring", o), 2 * L) < 1e-6     # request + reply
-    assert rel(predict_one(net, comp, 1, "ad-psgd", "ring", o), 2 * L) < 1e-6
+    assert rel(predict_one(net, comp, 1, "ad-psgd", "ring", o), (2 * L + 0) / 2) < 1e-6   # passive: no wait
 
 
 def test_overlap_on_and_off():
@@ -125,8 +125,9 @@ def test_straggler():
     # Hop with skipping lets the fast workers run (the straggler skips to catch up).
     skip = predict_one(net, comp, 4000, "hop-backup-skip", "ring", OPTS)
     assert skip < 0.5 * 4 * C
-    # Asynchronous: the run ends with its slowest worker, which computes 4x longer.
-    assert rel(predict_one(net, comp, 4000, "netmax", "ring", OPTS), 4 * C) < 0.01
+    # Asynchronous: every host at its own pace; the iteration time is the hosts' mean.
+    assert rel(predict_one(net, comp, 4000, "netmax", "ring", OPTS), (4 * C + (n - 1) * C) / n) < 0.01
+    assert rel(predict_one(net, comp, 4000, "ad-psgd", "ring", OPTS), (4 * C + (n - 1) * C) / n) < 0.01
 
 
 def test_two_sites_hierarchical_beats_flat():

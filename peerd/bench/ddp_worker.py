@@ -10,7 +10,8 @@ step's emulated compute time before `backward()`, whose gradient all-reduce DDP 
 (real, ~1 ms) backward pass. Every collective is bounded by the gloo timeout, so a lost rank ends
 the run with an error instead of a hang.
 
-Writes (paths given): a trace with one JSON line per iteration {"it", "start", "t", "compute_s"}, progress
+Writes (paths given): a trace with one JSON line per iteration {"it", "start", "t", "compute_s", "mix_s"}
+(mix_s: backward + all-reduce + optimizer step, the counterpart of peerd's mix), progress
 records shaped like `peerd train --json` ({"t", "state", "iteration", "loss", "metric_name",
 "metric", "rank"}), and, on rank 0, the final model's state dict.
 """
@@ -75,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             loss = task.loss(model, next(batches))
             compute = pace.pad(it, t0)
+            t_mix = time.perf_counter()
             loss.backward()                  # DDP all-reduces the gradients here
             opt.step()
-            trace.write(json.dumps({"it": it + 1, "start": started, "t": time.time(), "compute_s": round(compute, 6)}) + "\n")
+            mix_s = time.perf_counter() - t_mix
+            trace.write(json.dumps({"it": it + 1, "start": started, "t": time.time(), "compute_s": round(compute, 6),
+                                    "mix_s": round(mix_s, 6)}) + "\n")
             trace.flush()                    # the benchmark shows progress from it
             extra = {}
             if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):

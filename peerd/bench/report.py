@@ -77,6 +77,33 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SPLIT = (("iteration", "iter_time_s"), ("compute", "compute_mean_s"), ("wait for mix", "wait_s"),
+         ("mix itself", "mix_overhead_s"), ("other overhead", "other_s"), ("link busy", "transfer_s"))
+
+
+def split_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: where each host's iteration goes (seconds per iteration, steady part, medians over
+    seeds; records without the split are left out). Wait + mix + other + compute = iteration; the
+    link's busy time overlaps the others."""
+    rows = [r for r in records if r.get("per_host") and all(v.get("wait_s") is not None for v in r["per_host"].values())]
+    if not rows:
+        return ""
+    head = "| scenario | contender | host | " + " | ".join(name for name, _ in SPLIT) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["scenario"], r["contender"]), []).append(r)
+    for (sc, c), rs in by.items():
+        for h in rs[0]["per_host"]:
+            cells = []
+            for _, key in SPLIT:
+                vals = [r["per_host"][h].get(key) for r in rs if h in r["per_host"]]
+                vals = [v for v in vals if v is not None]
+                cells.append(f"{_median(vals):.3f}" if vals else "")
+            lines.append(f"| {sc} | {c} | {h} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     out = []
     if path.exists():
@@ -227,6 +254,11 @@ def write(run_dir: Path) -> Path:
     body += ["", table(records)]
     if steps:
         body.append(f"Measured compute per step: mean {statistics.mean(r['step_time_mean'] for r in steps):.3f} s.")
+    split = split_table(records)
+    if split:
+        body += ["", "Where the time goes (seconds per iteration per host, steady part; compute from the "
+                 "trainer's trace, wait = time in the mix call above the run's mix floor, link busy = "
+                 "bytes sent / the host's egress rate):", "", split]
     body.append("")
     body += [f"![{p.stem}]({p.name})" for p in pngs]
     out = run_dir / "report.md"

@@ -22,6 +22,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -351,8 +352,81 @@ def model_bytes(task_name: str) -> int:
     return sum(p.numel() * p.element_size() for p in get_task(task_name).build(0).parameters())
 
 
+WARMUP_FRACTION = 0.1   # a host's first iterations (joining, first transfers) are left out of its times
+MIX_FLOOR_QUANTILE = 0.1
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))] if ys else 0.0
+
+
+def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION) -> dict[str, Any]:
+    """One host's times from its trace, over its steady part: the iterations after the first
+    ceil(warmup * steps) (at least one; all of them when that leaves none).
+
+    iter_time_s: wall seconds per iteration, from the end of the last warm-up iteration to the end
+    of the host's last one, divided by the iterations in between (THE iteration time: `peerd plan`
+    predicts exactly this, and a record's iter_time_s is its mean over the hosts);
+    compute_mean_s / compute_std_s: the paced gradient time (emulated + real compute);
+    mix_s: mean seconds in the mix call (waiting for the neighbours' updates, and the mix itself;
+    DDP: backward + all-reduce + optimizer step); other_s: the rest of the iteration (publish,
+    evaluation every eval_every, checkpoint, progress report, trace)."""
+    k = min(max(1, math.ceil(warmup * len(trace))), len(trace) - 1)
+    steady = trace[k:] if len(trace) > 1 else trace
+    t_from = trace[k - 1]["t"] if len(trace) > 1 else trace[0]["start"]
+    wall = steady[-1]["t"] - t_from
+    comp = [r["compute_s"] for r in steady]
+    mix = [r["mix_s"] for r in steady if "mix_s" in r]
+    it = wall / len(steady)
+    out = {"window": [t_from, steady[-1]["t"]], "window_steps": len(steady), "iter_time_s": it,
+           "compute_mean_s": statistics.mean(comp), "compute_std_s": statistics.pstdev(comp),
+           "mix_s": statistics.mean(mix) if len(mix) == len(steady) else None}
+    out["other_s"] = None if out["mix_s"] is None else max(0.0, it - out["compute_mean_s"] - out["mix_s"])
+    out["mix_samples"] = mix
+    return out
+
+
+def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_bytes_s: dict[str, float]) -> float | None:
+    """Add each host's time split (seconds per iteration) in place; return the record's mix floor.
+
+    The mix floor is the MIX_FLOOR_QUANTILE quantile of every host's steady mix_s: what a mix
+    costs when the updates are already in hand (some host in some iteration always has them).
+    Per host: wait_s = mix_s - floor (waiting for the neighbours), mix_overhead_s = the floor,
+    overhead_s = other_s + mix_overhead_s (everything per iteration that is neither compute nor
+    waiting: the `overhead` the runtime model adds). DDP: its mix_s is the all-reduce itself, so
+    wait_s = mix_s and overhead_s = other_s. transfer_s = bytes the host sent per steady iteration
+    / its egress rate (its access link, else the fastest rate out of it): the link's busy time,
+    mostly overlapped with compute, so not a term of the sum."""
+    samples = [x for v in per_host.values() for x in (v.pop("mix_samples", None) or [])]
+    if any(v.get("mix_s") is None for v in per_host.values()) or not samples:
+        return None
+    floor = 0.0 if contender == "ddp" else _quantile(samples, MIX_FLOOR_QUANTILE)
+    for h, v in per_host.items():
+        v["mix_overhead_s"] = min(floor, v["mix_s"])
+        v["wait_s"] = v["mix_s"] - v["mix_overhead_s"]
+        v["overhead_s"] = v["other_s"] + v["mix_overhead_s"]
+        sent = v.get("window_bytes_sent")
+        v["transfer_s"] = None if sent is None or not egress_bytes_s.get(h) else \
+            sent / v["window_steps"] / egress_bytes_s[h]
+    return floor
+
+
+def egress_rates(prof: profile.Profile) -> dict[str, float]:
+    """Bytes/s out of each host of a lab profile: its access link, else its fastest pair."""
+    from peerd.plan.sources import network_from_profile
+
+    net = network_from_profile(prof)
+    out = {}
+    for i, h in enumerate(prof.hosts):
+        caps = [g.capacity for g in net.shared if g.name == f"{h.name}-out"]
+        fastest = max((float(net.bandwidth[i, j]) for j in range(net.n) if j != i), default=0.0)
+        out[h.name] = min(caps) if caps else fastest
+    return out
+
+
 def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list[str], files: RunFiles,
-              sampler: TxSampler | None, prof_name: str) -> dict[str, Any]:
+              sampler: TxSampler | None, prof_name: str, egress: dict[str, float] | None = None) -> dict[str, Any]:
     """One JSON record from a run's files (sampler None: bytes unknown)."""
     traces = {h: _read_jsonl(files.trace[h]) for h in hosts}
     progress = {h: _read_jsonl(files.progress[h]) for h in hosts}
@@ -363,14 +437,17 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
     t_end = max(t[-1]["t"] for t in traces.values())
     tx = {h: sampler.between(h, t0, t_end) if sampler else None for h in hosts}
     per_host = {}
-    computes = []
     for h, tr in traces.items():
         dur = tr[-1]["t"] - t0
-        comp = [r["compute_s"] for r in tr]
-        computes += comp
-        per_host[h] = {"steps": len(tr), "last_iteration": tr[-1]["it"], "duration_s": dur,
-                       "it_per_s": len(tr) / dur, "idle_fraction": max(0.0, 1 - sum(comp) / dur),
-                       "iter_time_s": dur / len(tr), "bytes_sent": tx[h]}
+        comp = sum(r["compute_s"] for r in tr)
+        v = host_times(tr)
+        v["window_bytes_sent"] = sampler.between(h, *v.pop("window")) if sampler else None
+        ranks = [r["rank"] for r in progress[h] if r.get("state") != "waiting" and isinstance(r.get("rank"), int)]
+        per_host[h] = {"rank": ranks[-1] if ranks else None,   # the ring order of the run
+                       "steps": len(tr), "last_iteration": tr[-1]["it"], "duration_s": dur,
+                       "it_per_s": len(tr) / dur, "idle_fraction": max(0.0, 1 - comp / dur),
+                       "bytes_sent": tx[h], **v}
+    times = host_summary(per_host, contender, egress or {})
     ttt = time_to_target(progress, st.target, t0)
     steps = sum(v["steps"] for v in per_host.values())
     sent = sum(tx.values()) if sampler else None
@@ -383,11 +460,47 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
         "bytes_sent": sent, "bytes_per_step": None if sent is None else sent / steps,
         "final_accuracy": averaged_accuracy(st.task, files.models),
-        "step_time_mean": statistics.mean(computes), "step_time_std": statistics.pstdev(computes),
-        "iter_time_s": statistics.mean(v["iter_time_s"] for v in per_host.values()),
+        **times,
         "step_time_setting": st.step_time, "slow_prob": sc.slow_prob, "slow_factor": sc.slow_factor,
         "per_host": per_host,
     }
+
+
+def retime(run_dir: Path, rec: dict[str, Any]) -> dict[str, Any]:
+    """A record with its time fields recomputed from the run's saved traces (records written before
+    per-host times existed, or by an older summarize). Bytes in the steady window are the host's
+    bytes in proportion to its steps there (the tx samples are not kept)."""
+    if "per_host" not in rec or rec.get("error"):
+        return rec
+    d = run_dir / rec["scenario"] / rec["contender"] / f"seed{rec['seed']}"
+    prof = profile.load(rec["profile"], rec["hosts"])
+    per_host = {}
+    for h, old in rec["per_host"].items():
+        tr = _read_jsonl(d / f"{h}.trace.jsonl")
+        prog = _read_jsonl(d / f"{h}.progress.jsonl")
+        if not tr:
+            raise RuntimeError(f"{d}: no trace of {h}")
+        v = host_times(tr)
+        v.pop("window")
+        sent = old.get("bytes_sent")
+        v["window_bytes_sent"] = None if sent is None else sent * v["window_steps"] / len(tr)
+        ranks = [r["rank"] for r in prog if r.get("state") != "waiting" and isinstance(r.get("rank"), int)]
+        per_host[h] = {**old, "rank": ranks[-1] if ranks else None, **v}
+    return {**rec, **host_summary(per_host, rec["contender"], egress_rates(prof)), "per_host": per_host}
+
+
+def host_summary(per_host: dict[str, dict[str, Any]], contender: str, egress: dict[str, float]) -> dict[str, Any]:
+    """The record's time fields from its hosts' (split_times adds each host's split in place):
+    iter_time_s (THE iteration time: the hosts' mean), the hosts' mean split, and pooled compute."""
+    floor = split_times(per_host, contender, egress)
+    split = {k: statistics.mean(v[k] for v in per_host.values())
+             for k in ("compute_mean_s", "wait_s", "mix_overhead_s", "other_s", "overhead_s", "transfer_s")
+             if all(v.get(k) is not None for v in per_host.values())}
+    return {"iter_time_s": statistics.mean(v["iter_time_s"] for v in per_host.values()),
+            "mix_floor_s": floor, "split": split,
+            # summaries over the hosts; `peerd plan check` reads per_host
+            "step_time_mean": statistics.mean(v["compute_mean_s"] for v in per_host.values()),
+            "step_time_std": statistics.mean(v["compute_std_s"] for v in per_host.values())}
 
 
 # --- the whole benchmark ----------------------------------------------------------------------
@@ -454,7 +567,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                                 files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
                             else:
                                 files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
-                        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name)
+                        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name, egress_rates(prof))
                         if files.error:  # measured until it failed: times count, the run is marked
                             rec["error"] = files.error
                             echo(f"    FAILED (measured until then): {files.error}")

@@ -1,27 +1,42 @@
 """`peerd plan check`: the runtime model against measured iteration times.
 
-Input: JSON lines, one measured contender each, with at least
-    scenario, contender, profile, model_bytes, step_time_mean, step_time_std, iter_time_s, hosts
+Input: JSON lines, one measured contender each (`peerd bench scenarios` records), with at least
+    scenario, contender, profile, model_bytes, iter_time_s, hosts, per_host
 (contender: the algorithm as `peerd train --algo` names it, or "ddp" for All-Reduce; optional
-topology, default ring, exp-directed for sgp). Per record: the predicted iteration time from the
-profile's network (with `hosts` hosts) and those step times, the relative error
-(predicted - measured) / measured, flagged beyond 25 %. Per scenario: the contender the model
-recommends among those measured, and whether it was the measured fastest or within 10 % of it.
+topology, default ring, exp-directed for sgp).
+
+One definition of iteration time on both sides: a host's wall seconds per iteration over its
+steady part (after its first 10 % of iterations), averaged over the hosts (record field
+iter_time_s; peerd.bench.scenarios.host_times). For synchronous contenders every host runs at the
+same pace, for asynchronous ones (NetMax, AD-PSGD) each at its own; the model predicts that mean.
+
+Inputs to the model, all measured in the record, nothing from the profile on top of them:
+- per host compute (per_host[h].compute_mean_s / compute_std_s: the paced gradient time, the
+  straggler's slowdown and random slowdowns included as they happened);
+- per host overhead O (per_host[h].overhead_s: publish, mix itself, evaluation, progress reports;
+  everything but compute and waiting for others); absent (older records): Config.plan_overhead;
+- the ring order (per_host[h].rank; absent: host order);
+- the network from the profile (links are not measured per run).
+Records older than per-host compute (no compute_mean_s) fall back to each host's busy share
+(1 - idle_fraction) * duration_s / steps with no spread, and say so.
+
+Per record: the predicted iteration time, the relative error (predicted - measured) / measured,
+flagged beyond 25 %. Per scenario: the contender the model recommends among those measured, and
+whether it was the measured fastest or within 10 % of it.
 
 Pure apart from `profile_loader` (the caller's way of reading a profile by name or path).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from peerd.config import Config
 from peerd.lab.profile import Profile
 from peerd.plan import model, sources
 
-REQUIRED = ("scenario", "contender", "profile", "model_bytes", "step_time_mean", "step_time_std",
-            "iter_time_s", "hosts")
+REQUIRED = ("scenario", "contender", "profile", "model_bytes", "iter_time_s", "hosts", "per_host")
 ALIASES = {"dpsgd": "d-psgd", "adpsgd": "ad-psgd", "allreduce": "ddp", "all-reduce": "ddp"}
 ERROR_BOUND = 0.25
 RECOMMEND_BOUND = 0.10
@@ -38,6 +53,8 @@ class Row:
     topology: str
     measured: float
     predicted: float
+    exact: bool = True          # per-host compute measured (False: an older record's busy share)
+    overhead: bool = True       # per-host overhead measured (False: Config.plan_overhead)
 
     @property
     def error(self) -> float:
@@ -63,10 +80,15 @@ class Scenario:
         return {"scenario": self.name, "recommended": self.recommended.contender,
                 "measured_fastest": self.fastest.contender, "recommendation_ok": self.recommendation_ok,
                 "rows": [{"contender": r.contender, "topology": r.topology, "measured_s": r.measured,
-                          "predicted_s": r.predicted, "error": r.error, "flagged": r.flagged} for r in self.rows]}
+                          "predicted_s": r.predicted, "error": r.error, "flagged": r.flagged,
+                          "compute_measured_per_host": r.exact, "overhead_measured": r.overhead}
+                         for r in self.rows]}
 
 
-def parse_lines(lines: Iterable[str], source: str = "results") -> list[dict[str, Any]]:
+def parse_lines(lines: Iterable[str], source: str = "results",
+                skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of a results file; a failed run's record (field error) is an error, or, given
+    `skipped`, left out and noted there."""
     out = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
@@ -77,10 +99,17 @@ def parse_lines(lines: Iterable[str], source: str = "results") -> list[dict[str,
             raise CheckError(f"{source}:{no}: not JSON: {e}") from None
         if not isinstance(rec, dict):
             raise CheckError(f"{source}:{no}: expected a JSON object")
+        if rec.get("error"):  # a failed run's times are not an iteration time
+            if skipped is None:
+                raise CheckError(f"{source}:{no}: {rec.get('scenario')}/{rec.get('contender')} failed: {rec['error']}")
+            skipped.append(f"{source}:{no}: {rec.get('scenario')}/{rec.get('contender')} failed, left out")
+            continue
         for key in REQUIRED:
             if key not in rec:
                 raise CheckError(f"{source}:{no}: missing field {key!r} (needs {', '.join(REQUIRED)})")
-        for key in ("model_bytes", "step_time_mean", "step_time_std", "iter_time_s", "hosts"):
+        if not isinstance(rec["per_host"], dict) or not rec["per_host"]:
+            raise CheckError(f"{source}:{no}: per_host must be an object host -> times")
+        for key in ("model_bytes", "iter_time_s", "hosts"):
             v = rec[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise CheckError(f"{source}:{no}: {key}={v!r} is not a number >= 0")
@@ -92,28 +121,56 @@ def parse_lines(lines: Iterable[str], source: str = "results") -> list[dict[str,
     return out
 
 
+def host_inputs(rec: dict[str, Any], prof: Profile) -> tuple[list[int], model.Compute, tuple[float, ...] | None, bool]:
+    """(order, compute, overheads, exact) of a record, in rank order: order[r] is the profile's
+    index of the host with rank r; overheads None where the record has none; exact False for the
+    older records whose compute is a busy share without spread."""
+    ph = rec["per_host"]
+    names = [h.name for h in prof.hosts][: int(rec["hosts"])]
+    missing = [h for h in names if h not in ph]
+    if missing:
+        raise CheckError(f"scenario {rec['scenario']}, contender {rec['contender']}: per_host lacks {', '.join(missing)}")
+    ranks = [ph[h].get("rank") for h in names]
+    order = list(range(len(names)))
+    if all(isinstance(r, int) for r in ranks) and sorted(ranks) == order:
+        order = sorted(order, key=lambda i: ranks[i])
+    hs = [ph[names[i]] for i in order]
+    if all("compute_mean_s" in v for v in hs):
+        comp = model.Compute([v["compute_mean_s"] for v in hs], [v.get("compute_std_s", 0.0) for v in hs])
+        exact = True
+    elif all({"steps", "duration_s", "idle_fraction"} <= v.keys() for v in hs):
+        comp = model.Compute([(1 - v["idle_fraction"]) * v["duration_s"] / v["steps"] for v in hs], [0.0] * len(hs))
+        exact = False
+    else:
+        raise CheckError(f"scenario {rec['scenario']}, contender {rec['contender']}: per_host needs "
+                         f"compute_mean_s (or steps, duration_s, idle_fraction) on every host")
+    over = tuple(float(v["overhead_s"]) for v in hs) if all(v.get("overhead_s") is not None for v in hs) else None
+    return order, comp, over, exact
+
+
 def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Profile],
           cfg: Config | None = None) -> list[Scenario]:
     cfg = cfg or Config()
     opts = model.Options.from_config(cfg)
-    nets: dict[tuple[str, int], tuple[Profile, model.Network]] = {}
+    profs: dict[tuple[str, int], Profile] = {}
     by_scen: dict[str, list[Row]] = {}
     for rec in records:
         key = (str(rec["profile"]), int(rec["hosts"]))
-        if key not in nets:
-            prof = profile_loader(*key)
-            nets[key] = (prof, sources.network_from_profile(prof, cfg))
-        prof, net = nets[key]
-        comp = sources.compute_from_profile(prof, float(rec["step_time_mean"]), float(rec["step_time_std"]))
+        if key not in profs:
+            profs[key] = profile_loader(*key)
+        prof = profs[key]
+        order, comp, over, exact = host_inputs(rec, prof)
+        net = sources.permute(sources.network_from_profile(prof, cfg), order)
         algo = str(rec["contender"])
         algo = ALIASES.get(algo, algo)
         topo = str(rec.get("topology") or ("exp-directed" if algo == "sgp" else "ring"))
+        o = replace(opts, overhead=over) if over is not None else opts
         try:
-            pred = model.predict_one(net, comp, float(rec["model_bytes"]), algo, topo, opts, overlap=True)
+            pred = model.predict_one(net, comp, float(rec["model_bytes"]), algo, topo, o, overlap=True)
         except ValueError as e:
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(
-            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred)))
+            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred), exact, over is not None))
     out = []
     for name, rows in by_scen.items():
         out.append(Scenario(name, rows, min(rows, key=lambda r: r.predicted), min(rows, key=lambda r: r.measured)))
@@ -127,7 +184,9 @@ def render(scens: list[Scenario]) -> str:
     for s in scens:
         for r in s.rows:
             lines.append(f"{s.name:16s} {r.contender:20s} {r.topology:12s} {r.measured:10.4f} {r.predicted:11.4f} "
-                         f"{r.error:+7.1%}{'  > 25 %' if r.flagged else ''}")
+                         f"{r.error:+7.1%}{'  > 25 %' if r.flagged else ''}"
+                         f"{'' if r.exact else '  (old record: busy share, no spread)'}"
+                         f"{'' if r.overhead or not r.exact else '  (no measured overhead)'}")
     lines.append("")
     for s in scens:
         verdict = "ok" if s.recommendation_ok else "MISSED"

@@ -3,13 +3,18 @@
 Pure: no I/O, no clock. Inputs are a `Network` (per ordered pair bandwidth in bytes/s and one-way
 latency in s, plus capacities several pairs share: a host's access link, a site-to-site link), a
 `Compute` (per host mean and spread of the gradient time, straggler factors already applied), the
-model size M in bytes and a per-iteration overhead O (optimizer step, bookkeeping). Output: one
-`Prediction` per (algorithm, topology, overlap).
+model size M in bytes and a per-iteration overhead O_i per host (everything that is neither
+gradient nor waiting for others: publish, the mix itself, evaluation, bookkeeping; one value for
+every host, or one per host). Output: one `Prediction` per (algorithm, topology, overlap).
 
 Definitions
-- Iteration time: wall time of a run of K iterations per worker divided by K, in steady state (the
-  run ends when its slowest worker is done; skipped iterations count as iterations, as the trainer's
-  counter does). This is what `peerd bench` measures as iter_time_s.
+- Iteration time (one definition, the same as `peerd bench scenarios` measures, see
+  peerd.bench.scenarios.host_times): each host's wall seconds per iteration in steady state (its
+  own iterations, skipped ones included as the trainer's counter counts them), averaged over the
+  hosts. Synchronous contenders run every host at one pace, so the mean is that pace; asynchronous
+  ones (NetMax, AD-PSGD) run each host at its own, and the mean is what a user sees as the swarm's
+  iterations per second per host. The benchmark leaves each host's first 10 % of iterations out;
+  the max-plus path leaves out its first quarter, the simulator starts in steady state.
 - C_i: host i's gradient time, Normal(mean_i, std_i) truncated at 0, drawn per iteration.
 - X_{j->i}: time a model takes on link j->i = lat_ji + M / r_ji, r_ji the pair's rate under sharing:
       r_ji = min(bw_ji, min over shared capacities g carrying (j,i) of cap_g / flows_g)
@@ -23,7 +28,7 @@ in research/papers.md 4.2; the ring cost is the textbook one, papers.md 5.4):
 - hierarchical (sites of k hosts, S sites): reduce-scatter inside each site, k concurrent all-reduce
   rings across the sites on M/k bytes each, all-gather inside each site [P4 §4.2 hierarchical ring]:
       T_hier = 2(k-1) * max_intra (lat + (M/k)/r) + 2(S-1) * max_inter (lat + (M/(kS))/r)
-- iteration, a global barrier every step: T = E[max_i C_i] + exposed + O, where
+- iteration, a global barrier every step: T = E[max_i (C_i + O_i)] + exposed, where
       no overlap: exposed = T_comm
       overlap   : exposed = max(T_comm - f_bw * E[max_i C_i], T_comm / buckets)   [P4 factor 1: DDP
                   overlaps only with the backward pass (share f_bw of compute); the last bucket is
@@ -42,7 +47,7 @@ recursion has no memory):
                   = (|N_in| - b)-th smallest A_{j->i}(k)             Hop backup b (order statistic)
                   = max_j A_{j->i}(k - s)                            Hop staleness s
       tokens_i(k) = max_{j in N_out(i)} P_j(k + 1 - max_ig) + lat_ji  Hop token queues (gap bound)
-      P_i(k+1)    = max(P_i(k) + C_i(k), gather_i(k), tokens_i(k)) + O
+      P_i(k+1)    = max(P_i(k) + C_i(k), gather_i(k), tokens_i(k)) + O_i
   T = (max_i P_i(K) - max_i P_i(K0)) / (K - K0), K0 = K/4 burn-in. With no spread this is the
   max cycle mean of the graph (exact). With spread, note the difference from [P4]'s
   E[max_{j in group} C_j]: a worker waits for its neighbours' *published* x_k, which each
@@ -56,16 +61,17 @@ time is its own):
 - NetMax [NetMax §"probabilities minimise total time", papers.md 3.2]: t_im = E[max(C_i, R_im)]
   with R_im = lat_im + lat_mi + M / r_mi the pull's round trip (C_i + R_im without overlap);
   P = the policy's own probabilities (peerd.sync.netmax.probabilities on t, same solver and
-  consensus weight as the daemon); T_i = sum_m P_im t_im; T = max_i T_i + O.
+  consensus weight as the daemon); T_i = sum_m P_im t_im + O_i; T = mean_i T_i.
   E[max(X, c)] for X ~ N(mu, s): c + (mu - c) Phi(z) + s phi(z), z = (mu - c)/s.
 - AD-PSGD [papers.md 5.2, peerd.sync.baselines]: an active worker pulls a uniform passive
   neighbour carrying its model: R_ij = lat_ij + M/r_ij + M/r_ji + lat_ji; T_i = mean_j E[max(C_i,
-  R_ij)]; a passive worker never waits: T_j = E[C_j]; T = max_i T_i + O.
+  R_ij)] + O_i; a passive worker never waits: T_j = E[C_j] + O_j; T = mean_i T_i.
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
 than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
-peerd.sim runs them timing-only with Gaussian compute (mean_i + O, std_i) and the shared rates
-r_ji of the topology's flows as per-pair bandwidths; T = simulated time / iterations. Overlap only:
+peerd.sim runs them timing-only with Gaussian compute (mean_i + O_i, std_i) and the shared rates
+r_ji of the topology's flows as per-pair bandwidths; T = mean over hosts of each host's finish
+time / its iterations. Overlap only:
 peerd's runtime always overlaps (the trainer publishes x_k before computing its gradient).
 
 Decentralized rows with overlap=True are what `peerd train` runs; overlap=False rows show what the
@@ -196,7 +202,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Options:
-    overhead: float = 0.0          # O, seconds per iteration
+    overhead: float | tuple[float, ...] = 0.0   # O, seconds per iteration (one value, or one per host)
     iterations: int = 400          # K of the max-plus sample path
     sim_iterations: int = 150      # iterations per worker of a simulated contender
     seed: int = 0
@@ -208,6 +214,15 @@ class Options:
     max_skip: int = 4
     aau_staleness: int = 2
     netmax_consensus: float = 0.3
+
+    def overheads(self, n: int) -> np.ndarray:
+        """O per host."""
+        o = np.atleast_1d(np.asarray(self.overhead, dtype=float))
+        if o.size == 1:
+            return np.full(n, float(o[0]))
+        if o.shape != (n,) or np.any(o < 0):
+            raise ValueError(f"overhead: expected one value >= 0 or {n} (one per host), got {o.tolist()}")
+        return o
 
     @classmethod
     def from_config(cls, cfg: Config, overhead: float | None = None) -> "Options":
@@ -298,13 +313,13 @@ def hierarchical_allreduce_time(net: Network, nbytes: float) -> float | None:
 
 
 def ddp_iteration(comm: float, comp: Compute, nbytes: float, opts: Options, overlap: bool) -> float:
-    cmax = expected_max(comp.mean, comp.std)
+    cmax = expected_max(comp.mean + opts.overheads(len(comp.mean)), comp.std)
     if overlap:
         buckets = max(1, math.ceil(nbytes / opts.bucket_bytes))
-        exposed = max(comm - opts.backward_fraction * cmax, comm / buckets)
+        exposed = max(comm - opts.backward_fraction * expected_max(comp.mean, comp.std), comm / buckets)
     else:
         exposed = comm
-    return cmax + exposed + opts.overhead
+    return cmax + exposed
 
 
 # ---- synchronous decentralized: max-plus recursion --------------------------------------------
@@ -319,6 +334,7 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
     """Steady-state seconds per iteration of the recursion in the module docstring. `used` collects
     the edges (j, i) whose update was in hand at i's mix during the last quarter."""
     n, K = topo.n, max(8, opts.iterations)
+    O = opts.overheads(n)
     rng = np.random.default_rng(opts.seed + 104729)
     lag = staleness or 0
     hist = [np.zeros(n)]                         # P(k), k = 0..
@@ -367,7 +383,7 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
             for (j, i) in es:
                 if arr[i, j] <= mix[i]:
                     used.add((j, i))
-        hist.append(mix + opts.overhead)
+        hist.append(mix + O)
     k0 = K // 4
     return float((hist[K].max() - hist[k0].max()) / (K - k0))
 
@@ -397,7 +413,7 @@ def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
         t[i, m] = (comp.mean[i] + R[i, m]) if not overlap else expected_max_const(comp.mean[i], comp.std[i], R[i, m])
     P = nm.probabilities(np.where(adj, t, 0.0), adj, kind, opts.netmax_consensus)
     T = np.array([sum(P[i, m] * t[i, m] for m in range(n) if adj[i, m]) for i in range(n)])
-    return float(T.max() + opts.overhead)
+    return float(np.mean(T + opts.overheads(n)))
 
 
 def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
@@ -421,7 +437,7 @@ def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
             R = net.latency[i, j] + nbytes / r[(i, j)] + nbytes / r[(j, i)] + net.latency[j, i]
             ts.append(comp.mean[i] + R if not overlap else expected_max_const(comp.mean[i], comp.std[i], R))
         T[i] = float(np.mean(ts))
-    return float(T.max() + opts.overhead)
+    return float(np.mean(T + opts.overheads(n)))
 
 
 # ---- simulated -------------------------------------------------------------------------------
@@ -430,10 +446,12 @@ def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topolo
                         algorithm: str, opts: Options, used: set[tuple[int, int]] | None = None) -> float:
     from peerd.sim.engine import SimSpec, Simulator
 
+    O = opts.overheads(net.n)
+
     class _GaussSim(Simulator):
         def compute_time(self, i: int) -> float:
             sd = comp.std[i]
-            t = comp.mean[i] + opts.overhead
+            t = comp.mean[i] + O[i]
             return max(0.0, float(self.rng.normal(t, sd))) if sd else float(t)
 
     n = topo.n
@@ -466,7 +484,7 @@ def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topolo
     res = sim.run()
     if res.stalled:
         return math.inf
-    return float(res.sim_time / K)
+    return float(np.mean(sim.finish) / K)     # each host's seconds per iteration, mean over hosts
 
 
 def _estimates_with(sim: Any, comp: Compute, opts: Options, nbytes: float, r: dict, net: Network):
@@ -474,7 +492,7 @@ def _estimates_with(sim: Any, comp: Compute, opts: Options, nbytes: float, r: di
     own version reads its scalar compute)."""
     def estimates(kind: str) -> np.ndarray:
         n = net.n
-        c = comp.mean + opts.overhead
+        c = comp.mean + opts.overheads(n)
         xfer = np.zeros((n, n))
         for i in range(n):
             for j in range(n):
@@ -547,7 +565,7 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
             raise ValueError("topology: hierarchical All-Reduce needs at least two sites of two hosts")
         return ddp_iteration(comm, comp, nbytes, opts, overlap)
     if n == 1:
-        return float(comp.mean[0] + opts.overhead)
+        return float(comp.mean[0] + opts.overheads(1)[0])
     topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
     if algorithm in ("d-psgd", "sgp"):
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, used=used)

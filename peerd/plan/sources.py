@@ -49,6 +49,21 @@ def network_from_profile(prof: Profile, cfg: Config | None = None) -> Network:
     return Network(bw, lat, tuple(shared), sites if len(prof.sites) > 1 else None, tuple(names))
 
 
+def permute(net: Network, order: list[int]) -> Network:
+    """The same network with its hosts renumbered: new host r is old host order[r] (e.g. the
+    profile's hosts in the ranks a run gave them)."""
+    if sorted(order) != list(range(net.n)):
+        raise ValueError(f"order: expected a permutation of 0..{net.n - 1}, got {order}")
+    if order == list(range(net.n)):
+        return net
+    new = {old: r for r, old in enumerate(order)}
+    ix = np.ix_(order, order)
+    shared = tuple(Shared(g.name, g.capacity, frozenset((new[a], new[b]) for a, b in g.pairs)) for g in net.shared)
+    return Network(net.bandwidth[ix], net.latency[ix], shared,
+                   None if net.sites is None else tuple(net.sites[o] for o in order),
+                   tuple(net.names[o] for o in order) if net.names else ())
+
+
 def compute_from_profile(prof: Profile, mean: float, std: float = 0.0) -> Compute:
     f = np.array([h.slowdown for h in prof.hosts])
     return Compute(mean * f, std * f)

@@ -9,7 +9,7 @@ reports loss and evaluation metrics to the daemon. At every iteration boundary i
 daemon's directives (`apply_directives`): pause until resume, skip to an iteration, checkpoint now,
 stop cleanly after a final checkpoint. Benchmarks pace the steps (peerd/train/pace.py:
 --step-time, --slow-prob, --slow-factor) and ask for a per-iteration trace (--trace: one JSON line
-per iteration, {"it", "start", "t", "compute_s"}, in the checkpoint directory's trace.jsonl).
+per iteration, {"it", "start", "t", "compute_s", "mix_s"}, in the checkpoint directory's trace.jsonl).
 """
 from __future__ import annotations
 
@@ -201,9 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         loss = task.loss(model, next(batches))
         loss.backward()
         compute_s = pace.pad(it, t0)         # the gradient alone, paced (what `peerd plan` models)
-        opt.step()
+        t_mix = time.perf_counter()
+        opt.step()                           # waits for the daemon's mix of x_k, applies it
+        mix_s = time.perf_counter() - t_mix
         if trace is not None:
-            trace.write(json.dumps({"it": opt.iteration, "start": started, "t": time.time(), "compute_s": round(compute_s, 6)}) + "\n")
+            trace.write(json.dumps({"it": opt.iteration, "start": started, "t": time.time(), "compute_s": round(compute_s, 6),
+                                    "mix_s": round(mix_s, 6)}) + "\n")
             trace.flush()
         extra = {"compute_s": compute_s}
         if args.eval_every and (opt.iteration - last_eval >= args.eval_every or opt.iteration >= end):
