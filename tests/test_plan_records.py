@@ -37,6 +37,27 @@ def test_host_times_use_the_steady_part_and_split_the_iteration():
     assert v["mix_s"] is None and v["other_s"] is None and v["iter_time_s"] == pytest.approx(0.17)
 
 
+def test_the_steady_part_ends_when_the_first_host_finishes():
+    tr = _trace(20, 0.1, 0.0, 0.0)
+    for r in tr[15:]:                        # after the others finished, 1 s per iteration
+        r["start"] += (r["it"] - 16) * 0.9
+        r["t"] += (r["it"] - 15) * 0.9
+    assert sc.host_times(tr)["iter_time_s"] > 0.3
+    v = sc.host_times(tr, until=tr[14]["t"])
+    assert v["window_steps"] == 13 and v["iter_time_s"] == pytest.approx(0.1)
+    # A window that would keep fewer than two steps is not cut.
+    assert sc.host_times(tr, until=tr[2]["t"])["window_steps"] == 18
+
+
+def test_skipped_iterations_count_in_the_iteration_time_not_in_the_step():
+    tr = _trace(11, 0.4, 0.0, 0.0)
+    for k, r in enumerate(tr):
+        r["it"] = 4 * (k + 1)                # a straggler that skips 3 of every 4 iterations
+    v = sc.host_times(tr)
+    assert v["window_steps"] == 9 and v["window_iterations"] == 36
+    assert v["iter_time_s"] == pytest.approx(0.1) and v["step_s"] == pytest.approx(0.4)
+
+
 def test_split_takes_the_mix_floor_as_overhead_and_the_rest_as_wait():
     fast = sc.host_times(_trace(21, 0.1, 0.30, 0.01))     # waits for the straggler
     slow = sc.host_times(_trace(21, 0.4, 0.01, 0.01))     # never waits: its mix is the floor

@@ -77,14 +77,14 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SPLIT = (("iteration", "iter_time_s"), ("compute", "compute_mean_s"), ("wait for mix", "wait_s"),
+SPLIT = (("iteration", "iter_time_s"), ("step", "step_s"), ("compute", "compute_mean_s"), ("wait for mix", "wait_s"),
          ("mix itself", "mix_overhead_s"), ("other overhead", "other_s"), ("link busy", "transfer_s"))
 
 
 def split_table(records: list[dict[str, Any]]) -> str:
-    """Markdown: where each host's iteration goes (seconds per iteration, steady part, medians over
-    seeds; records without the split are left out). Wait + mix + other + compute = iteration; the
-    link's busy time overlaps the others."""
+    """Markdown: where each host's time goes (steady part, medians over seeds; records without the
+    split are left out): seconds per iteration (skipped ones count), then per computed step:
+    compute + wait + mix + other = step; the link's busy time overlaps the others."""
     rows = [r for r in records if r.get("per_host") and all(v.get("wait_s") is not None for v in r["per_host"].values())]
     if not rows:
         return ""
@@ -256,9 +256,9 @@ def write(run_dir: Path) -> Path:
         body.append(f"Measured compute per step: mean {statistics.mean(r['step_time_mean'] for r in steps):.3f} s.")
     split = split_table(records)
     if split:
-        body += ["", "Where the time goes (seconds per iteration per host, steady part; compute from the "
-                 "trainer's trace, wait = time in the mix call above the run's mix floor, link busy = "
-                 "bytes sent / the host's egress rate):", "", split]
+        body += ["", "Where the time goes (seconds per host, steady part: per iteration, then per computed "
+                 "step; compute from the trainer's trace, wait = time in the mix call above the run's "
+                 "mix floor, link busy = bytes sent per step / the host's egress rate):", "", split]
     body.append("")
     body += [f"![{p.stem}]({p.name})" for p in pngs]
     out = run_dir / "report.md"

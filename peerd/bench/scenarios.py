@@ -361,28 +361,36 @@ def _quantile(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(q * len(ys)))] if ys else 0.0
 
 
-def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION) -> dict[str, Any]:
-    """One host's times from its trace, over its steady part: the iterations after the first
-    ceil(warmup * steps) (at least one; all of them when that leaves none).
+def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION, until: float | None = None) -> dict[str, Any]:
+    """One host's times from its trace, over its steady part: the steps after the first
+    ceil(warmup * steps) (at least one) that ended by `until` (the wall time the first host of the
+    run finished: after it the others run a different swarm; ignored where it leaves fewer than
+    two steps).
 
-    iter_time_s: wall seconds per iteration, from the end of the last warm-up iteration to the end
-    of the host's last one, divided by the iterations in between (THE iteration time: `peerd plan`
-    predicts exactly this, and a record's iter_time_s is its mean over the hosts);
-    compute_mean_s / compute_std_s: the paced gradient time (emulated + real compute);
-    mix_s: mean seconds in the mix call (waiting for the neighbours' updates, and the mix itself;
-    DDP: backward + all-reduce + optimizer step); other_s: the rest of the iteration (publish,
-    evaluation every eval_every, checkpoint, progress report, trace)."""
+    iter_time_s: wall seconds per iteration, from the end of the last warm-up step to the end of
+    the host's last one, divided by the iterations its counter advanced in between (skipped
+    iterations count, as the trainer's counter counts them). THE iteration time: `peerd plan`
+    predicts exactly this, and a record's iter_time_s is its mean over the hosts.
+    Per computed step (the split): step_s = wall / steps computed; compute_mean_s / compute_std_s
+    (the paced gradient time: emulated + real compute); mix_s: mean seconds in the mix call
+    (waiting for the neighbours' updates, and the mix itself; DDP: backward + all-reduce +
+    optimizer step); other_s = step_s - compute - mix (publish, evaluation every eval_every,
+    checkpoint, progress report, trace)."""
     k = min(max(1, math.ceil(warmup * len(trace))), len(trace) - 1)
     steady = trace[k:] if len(trace) > 1 else trace
+    if until is not None and len([r for r in steady if r["t"] <= until + 1e-9]) >= 2:
+        steady = [r for r in steady if r["t"] <= until + 1e-9]
     t_from = trace[k - 1]["t"] if len(trace) > 1 else trace[0]["start"]
+    its = steady[-1]["it"] - trace[k - 1]["it"] if len(trace) > 1 else 1
     wall = steady[-1]["t"] - t_from
     comp = [r["compute_s"] for r in steady]
     mix = [r["mix_s"] for r in steady if "mix_s" in r]
-    it = wall / len(steady)
-    out = {"window": [t_from, steady[-1]["t"]], "window_steps": len(steady), "iter_time_s": it,
+    step = wall / len(steady)
+    out = {"window": [t_from, steady[-1]["t"]], "window_steps": len(steady), "window_iterations": its,
+           "iter_time_s": wall / max(1, its), "step_s": step,
            "compute_mean_s": statistics.mean(comp), "compute_std_s": statistics.pstdev(comp),
            "mix_s": statistics.mean(mix) if len(mix) == len(steady) else None}
-    out["other_s"] = None if out["mix_s"] is None else max(0.0, it - out["compute_mean_s"] - out["mix_s"])
+    out["other_s"] = None if out["mix_s"] is None else max(0.0, step - out["compute_mean_s"] - out["mix_s"])
     out["mix_samples"] = mix
     return out
 
@@ -395,7 +403,7 @@ def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_byte
     Per host: wait_s = mix_s - floor (waiting for the neighbours), mix_overhead_s = the floor,
     overhead_s = other_s + mix_overhead_s (everything per iteration that is neither compute nor
     waiting: the `overhead` the runtime model adds). DDP: its mix_s is the all-reduce itself, so
-    wait_s = mix_s and overhead_s = other_s. transfer_s = bytes the host sent per steady iteration
+    wait_s = mix_s and overhead_s = other_s. transfer_s = bytes the host sent per steady step
     / its egress rate (its access link, else the fastest rate out of it): the link's busy time,
     mostly overlapped with compute, so not a term of the sum."""
     samples = [x for v in per_host.values() for x in (v.pop("mix_samples", None) or [])]
@@ -437,10 +445,11 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
     t_end = max(t[-1]["t"] for t in traces.values())
     tx = {h: sampler.between(h, t0, t_end) if sampler else None for h in hosts}
     per_host = {}
+    first_done = min(t[-1]["t"] for t in traces.values())
     for h, tr in traces.items():
         dur = tr[-1]["t"] - t0
         comp = sum(r["compute_s"] for r in tr)
-        v = host_times(tr)
+        v = host_times(tr, until=first_done)
         v["window_bytes_sent"] = sampler.between(h, *v.pop("window")) if sampler else None
         ranks = [r["rank"] for r in progress[h] if r.get("state") != "waiting" and isinstance(r.get("rank"), int)]
         per_host[h] = {"rank": ranks[-1] if ranks else None,   # the ring order of the run
@@ -475,12 +484,14 @@ def retime(run_dir: Path, rec: dict[str, Any]) -> dict[str, Any]:
     d = run_dir / rec["scenario"] / rec["contender"] / f"seed{rec['seed']}"
     prof = profile.load(rec["profile"], rec["hosts"])
     per_host = {}
+    traces = {h: _read_jsonl(d / f"{h}.trace.jsonl") for h in rec["per_host"]}
+    if not all(traces.values()):
+        raise RuntimeError(f"{d}: no trace of {', '.join(h for h, t in traces.items() if not t)}")
+    first_done = min(t[-1]["t"] for t in traces.values())
     for h, old in rec["per_host"].items():
-        tr = _read_jsonl(d / f"{h}.trace.jsonl")
+        tr = traces[h]
         prog = _read_jsonl(d / f"{h}.progress.jsonl")
-        if not tr:
-            raise RuntimeError(f"{d}: no trace of {h}")
-        v = host_times(tr)
+        v = host_times(tr, until=first_done)
         v.pop("window")
         sent = old.get("bytes_sent")
         v["window_bytes_sent"] = None if sent is None else sent * v["window_steps"] / len(tr)

@@ -5,8 +5,9 @@ Input: JSON lines, one measured contender each (`peerd bench scenarios` records)
 (contender: the algorithm as `peerd train --algo` names it, or "ddp" for All-Reduce; optional
 topology, default ring, exp-directed for sgp).
 
-One definition of iteration time on both sides: a host's wall seconds per iteration over its
-steady part (after its first 10 % of iterations), averaged over the hosts (record field
+One definition of iteration time on both sides: a host's wall seconds per iteration (skipped
+ones count) over its steady part (after its first 10 % of steps, until the first host of the run
+finished: every host running), averaged over the hosts (record field
 iter_time_s; peerd.bench.scenarios.host_times). For synchronous contenders every host runs at the
 same pace, for asynchronous ones (NetMax, AD-PSGD) each at its own; the model predicts that mean.
 

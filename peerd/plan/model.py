@@ -13,7 +13,8 @@ Definitions
   own iterations, skipped ones included as the trainer's counter counts them), averaged over the
   hosts. Synchronous contenders run every host at one pace, so the mean is that pace; asynchronous
   ones (NetMax, AD-PSGD) run each host at its own, and the mean is what a user sees as the swarm's
-  iterations per second per host. The benchmark leaves each host's first 10 % of iterations out;
+  iterations per second per host. Steady state: the benchmark leaves out each host's first 10 %
+  of steps and everything after the first host finished (the rest then run a different swarm);
   the max-plus path leaves out its first quarter, the simulator starts in steady state.
 - C_i: host i's gradient time, Normal(mean_i, std_i) truncated at 0, drawn per iteration.
 - X_{j->i}: time a model takes on link j->i = lat_ji + M / r_ji, r_ji the pair's rate under sharing:
