@@ -391,3 +391,30 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
         raise click.ClickException(str(e)) from None
     click.echo("\n" + report.table(recs))
     click.echo(f"plots and report.md: peerd report {out}")
+
+
+@bench.command("retime")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def retime_cmd(run_dir: str) -> None:
+    """Recompute the time fields of a `peerd bench scenarios` run's records (iteration time, per-host
+    compute, time split) from its saved traces, with this version's definitions; the old
+    results.jsonl is kept as results.jsonl.orig."""
+    import json
+    from pathlib import Path
+
+    from peerd.bench import scenarios as sc
+
+    d = Path(run_dir)
+    path = d / "results.jsonl"
+    if not path.exists():
+        raise click.ClickException(f"{path}: no results")
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        new = [sc.retime(d, r) for r in recs]
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise click.ClickException(f"{run_dir}: {e}") from None
+    orig = d / "results.jsonl.orig"
+    if not orig.exists():
+        orig.write_text(path.read_text())
+    path.write_text("".join(json.dumps(r) + "\n" for r in new))
+    click.echo(f"{len(new)} records retimed in {path} (was: {orig})")

@@ -73,6 +73,11 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
         # every host sent at least its model's worth of bytes per step it computed
         assert r["bytes_sent"] >= r["model_bytes"] * min(v["steps"] for v in r["per_host"].values())
         assert 0.0 <= r["final_accuracy"] <= 1.0
+        for v in r["per_host"].values():       # per-host times and split (peerd plan check reads them)
+            for key in ("rank", "iter_time_s", "compute_mean_s", "compute_std_s", "mix_s", "wait_s", "overhead_s"):
+                assert v[key] is not None and v[key] >= 0, (key, v)
+        assert r["per_host"]["h1"]["compute_mean_s"] > 3 * r["per_host"]["h2"]["compute_mean_s"]
+        assert r["split"]["compute_mean_s"] > 0
     ddp = recs[0]
     # synchronous all-reduce: every rank does every iteration, at the straggler's pace
     assert all(v["steps"] == 20 for v in ddp["per_host"].values())
@@ -86,6 +91,9 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     for name in ("straggler-accuracy.png", "straggler-progress.png", "straggler-links.png"):
         assert (out / name).stat().st_size > 1000, name
     assert "| straggler | hop-backup-skip |" in (out / "report.md").read_text()
+    assert "| straggler | ddp | h1 |" in (out / "report.md").read_text()      # the time split
+    chk = CliRunner().invoke(cli, ["plan", "check", str(tmp_path / "r.jsonl")])
+    assert chk.exit_code in (0, 1) and "straggler        ddp" in chk.output, chk.output
 
 
 def test_digits_wide_is_the_digit_task_with_a_megabyte_model():
