@@ -408,11 +408,15 @@ def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_byte
     """Add each host's time split (seconds per iteration) in place; return the record's mix floor.
 
     The mix floor is the MIX_FLOOR_QUANTILE quantile of every host's steady mix_s: what a mix
-    costs when the updates are already in hand (some host in some iteration always has them).
-    Per host: wait_s = mix_s - floor (waiting for the neighbours), mix_overhead_s = the floor,
-    overhead_s = other_s + mix_overhead_s (everything per iteration that is neither compute nor
-    waiting: the `overhead` the runtime model adds). DDP: its mix_s is the all-reduce itself, so
-    wait_s = mix_s and overhead_s = other_s. transfer_s = bytes the host sent per steady step
+    costs when the updates are already in hand (in most runs some host in some iteration has
+    them). Limit: where every host waits in nearly every iteration (a slow cut, D-PSGD on
+    two-sites) the floor holds waiting too, so mix_overhead_s overstates and wait_s understates;
+    the trainer cannot tell the two apart (the daemon would have to report its hold time).
+    Per host: wait_s = mix_s - floor (waiting for the neighbours), mix_overhead_s = the floor.
+    overhead_s = other_s: what the runtime model gets as its per-step overhead, everything outside
+    compute and the mix call, so no waiting can leak into the model's inputs; the mix call's
+    whole time stays on the predicted side (its own cost, a few ms, is not modelled). DDP: its
+    mix_s is the all-reduce itself, so wait_s = mix_s. transfer_s = bytes the host sent per steady step
     / its egress rate (its access link, else the fastest rate out of it): the link's busy time,
     mostly overlapped with compute, so not a term of the sum."""
     samples = [x for v in per_host.values() for x in (v.pop("mix_samples", None) or [])]
@@ -422,7 +426,7 @@ def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_byte
     for h, v in per_host.items():
         v["mix_overhead_s"] = min(floor, v["mix_s"])
         v["wait_s"] = v["mix_s"] - v["mix_overhead_s"]
-        v["overhead_s"] = v["other_s"] + v["mix_overhead_s"]
+        v["overhead_s"] = v["other_s"]
         sent = v.get("window_bytes_sent")
         v["transfer_s"] = None if sent is None or not egress_bytes_s.get(h) else \
             sent / v["window_steps"] / egress_bytes_s[h]

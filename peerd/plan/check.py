@@ -14,8 +14,10 @@ same pace, for asynchronous ones (NetMax, AD-PSGD) each at its own; the model pr
 Inputs to the model, all measured in the record, nothing from the profile on top of them:
 - per host compute (per_host[h].compute_mean_s / compute_std_s: the paced gradient time, the
   straggler's slowdown and random slowdowns included as they happened);
-- per host overhead O (per_host[h].overhead_s: publish, mix itself, evaluation, progress reports;
-  everything but compute and waiting for others); absent (older records): Config.plan_overhead;
+- per host overhead O (per_host[h].overhead_s: the step's time outside compute and the mix call:
+  publish, evaluation, checkpoint, progress reports, trace; so no waiting leaks in, and the mix
+  call's own cost of a few ms is on the predicted side, unmodelled); absent (older records):
+  Config.plan_overhead;
 - the ring order (per_host[h].rank; absent: host order);
 - the network from the profile (links are not measured per run).
 Records older than per-host compute (no compute_mean_s) fall back to each host's busy share
