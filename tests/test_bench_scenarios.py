@@ -78,6 +78,7 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
                 assert v[key] is not None and v[key] >= 0, (key, v)
         assert r["per_host"]["h1"]["compute_mean_s"] > 3 * r["per_host"]["h2"]["compute_mean_s"]
         assert r["split"]["compute_mean_s"] > 0
+        assert len(r["load_avg"]) == 2 and min(r["load_avg"]) >= 0
     ddp = recs[0]
     # synchronous all-reduce: every rank does every iteration, at the straggler's pace
     assert all(v["steps"] == 20 for v in ddp["per_host"].values())

@@ -108,6 +108,9 @@ def test_check_feeds_the_measured_per_host_compute_without_the_profile_factor():
     rec3 = _record("ddp", [0.4, 0.1, 0.1, 0.1, 0.1, 0.1], 0.45, overhead=None)
     row = check.check([rec3], _load)[0].rows[0]
     assert row.predicted == pytest.approx(pred - 0.01, rel=1e-6) and not row.overhead
+    assert row.load is None
+    scen = check.check([{**rec, "load_avg": [3.5, 7.25]}], _load)
+    assert scen[0].rows[0].load == 7.25 and " 7.2" in check.render(scen)
 
 
 def test_check_predicts_the_mean_over_hosts_for_asynchronous_contenders():

@@ -583,7 +583,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                     run_dir.mkdir(parents=True, exist_ok=True)
                     echo(f"[{n}/{total}] {name} / {contender} / seed {seed}   "
                          f"(elapsed {time.monotonic() - started:.0f}s)")
-                    t = time.monotonic()
+                    t, load0 = time.monotonic(), os.getloadavg()[0]
                     try:
                         with TxSampler(lb, cfg.bench_tx_interval) as tx:
                             if contender == "ddp":
@@ -600,6 +600,9 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                                "hosts": hosts, "error": str(e), "time_to_target_s": None, "reached_target": False}
                         echo(f"    FAILED: {e}")
                     rec["run_s"] = time.monotonic() - t
+                    # the machine's 1-minute load average before and after: timings on a shared
+                    # machine are only comparable at like loads
+                    rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                     records.append(rec)
                     for path in (results_path, json_file):
                         if path is not None:

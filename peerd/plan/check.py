@@ -58,6 +58,7 @@ class Row:
     predicted: float
     exact: bool = True          # per-host compute measured (False: an older record's busy share)
     overhead: bool = True       # per-host overhead measured (False: Config.plan_overhead)
+    load: float | None = None   # the machine's load average during the run (record's load_avg, max)
 
     @property
     def error(self) -> float:
@@ -84,7 +85,8 @@ class Scenario:
                 "measured_fastest": self.fastest.contender, "recommendation_ok": self.recommendation_ok,
                 "rows": [{"contender": r.contender, "topology": r.topology, "measured_s": r.measured,
                           "predicted_s": r.predicted, "error": r.error, "flagged": r.flagged,
-                          "compute_measured_per_host": r.exact, "overhead_measured": r.overhead}
+                          "compute_measured_per_host": r.exact, "overhead_measured": r.overhead,
+                          "load_avg": r.load}
                          for r in self.rows]}
 
 
@@ -151,6 +153,13 @@ def host_inputs(rec: dict[str, Any], prof: Profile) -> tuple[list[int], model.Co
     return order, comp, over, exact
 
 
+def _load(rec: dict[str, Any]) -> float | None:
+    la = rec.get("load_avg")
+    if isinstance(la, list) and la and all(isinstance(x, (int, float)) for x in la):
+        return float(max(la))
+    return None
+
+
 def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Profile],
           cfg: Config | None = None) -> list[Scenario]:
     cfg = cfg or Config()
@@ -173,7 +182,8 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
         except ValueError as e:
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(
-            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred), exact, over is not None))
+            Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred), exact, over is not None,
+                _load(rec)))
     out = []
     for name, rows in by_scen.items():
         out.append(Scenario(name, rows, min(rows, key=lambda r: r.predicted), min(rows, key=lambda r: r.measured)))
@@ -182,12 +192,13 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
 
 def render(scens: list[Scenario]) -> str:
     lines = [f"{'scenario':16s} {'contender':20s} {'topology':12s} {'measured_s':>10s} {'predicted_s':>11s} "
-             f"{'error':>7s}"]
+             f"{'error':>7s} {'load':>5s}"]
     lines.append("-" * len(lines[0]))
     for s in scens:
         for r in s.rows:
             lines.append(f"{s.name:16s} {r.contender:20s} {r.topology:12s} {r.measured:10.4f} {r.predicted:11.4f} "
-                         f"{r.error:+7.1%}{'  > 25 %' if r.flagged else ''}"
+                         f"{r.error:+7.1%} {'' if r.load is None else f'{r.load:5.1f}':>5s}"
+                         f"{'  > 25 %' if r.flagged else ''}"
                          f"{'' if r.exact else '  (old record: busy share, no spread)'}"
                          f"{'' if r.overhead or not r.exact else '  (no measured overhead)'}")
     lines.append("")
