@@ -157,8 +157,12 @@ class Config:
                                         "not found, or no reply) before the policy pulls another peer or takes "
                                         "the local step; keep it below train_silent_peer_timeout and above one "
                                         "model transfer over the slowest link")
-    train_pull_backoff: float = _f(10.0, "seconds a peer whose pull failed is not pulled again (the other peers are, "
-                                         "or the host steps locally); not for good: a hiccup does not remove a link")
+    train_pull_backoff: float = _f(10.0, "most seconds a peer whose pulls keep failing rests before it is pulled again "
+                                         "(the other peers are, or the host steps locally); not for good: a hiccup "
+                                         "does not remove a link")
+    train_pull_backoff_first: float = _f(1.0, "seconds a peer rests after its first failed pull; doubled per failure "
+                                               "in a row up to train_pull_backoff, reset by an answered pull (a peer "
+                                               "whose trainer is still starting answers moments later)")
 
     # --- lab: multi-host testbed on one machine (peerd lab) ------------------------------------
     lab_dir: str = _f("", "directory of `peerd lab` state, secret, logs and daemon data dirs "

@@ -8,6 +8,7 @@ import pytest
 from peerd.sync import netmax as nm
 from peerd.sync import topology as T
 from peerd.sync.baselines import ADPSGD
+from peerd.sync.policy import PullBackoff
 from peerd.sync.events import Mix, MixRequested, Published, Pull, PullFailed, UpdateArrived, Wait
 
 
@@ -86,3 +87,43 @@ def test_stale_pull_failure_is_ignored(algo):
     assert p.on_event(PullFailed(first.dst, 0), 1.2) == []
     assert p.on_event(PullFailed(again.dst, 1), 1.3) != [] and p.pulling != again.dst
     assert p.on_event(PullFailed(again.dst, 1), 1.4) == []    # that pull is already given up
+
+
+
+def test_pull_backoff_doubles_per_failure_in_a_row_up_to_its_bound_and_an_answer_resets_it():
+    b = PullBackoff(1.0, 10.0)
+    assert b.ready(3, 0.0)
+    b.failed(3, 0.0)
+    assert not b.ready(3, 0.99) and b.ready(3, 1.0)
+    b.failed(3, 1.0)
+    assert not b.ready(3, 2.99) and b.ready(3, 3.0)
+    for _ in range(5):
+        b.failed(3, 3.0)
+    assert not b.ready(3, 12.99) and b.ready(3, 13.0)      # 64 s capped at 10
+    b.answered(3)
+    b.failed(3, 20.0)
+    assert b.ready(3, 21.0)                                 # back to the first rest
+    assert b.ready(4, 20.0)                                 # per peer
+    with pytest.raises(ValueError, match="pull_backoff"):
+        PullBackoff(0.0, 1.0)
+
+
+@pytest.mark.parametrize("algo", ["netmax", "ad-psgd"])
+def test_a_peer_still_starting_is_pulled_again_after_the_first_rest(algo):
+    """The commonest failure: the peer's trainer has not published yet. It is pulled again after
+    pull_backoff_first (1 s), not pull_backoff (10 s); once it answered, a new failure rests 1 s."""
+    p = make(algo, 2)
+    peer = only(p.on_event(Published(0), 0.0), Pull).dst
+    p.on_event(MixRequested(0), 0.1)
+    only(p.on_event(PullFailed(peer, 0), 5.0), Mix)
+    assert not any(isinstance(a, Pull) for a in p.on_event(Published(1), 5.5))   # resting
+    only(p.on_event(MixRequested(1), 5.6), Mix)
+    assert only(p.on_event(Published(2), 6.1), Pull).dst == peer
+    p.on_event(MixRequested(2), 6.2)
+    only(p.on_event(UpdateArrived(peer, 2), 6.3), Mix)   # answered: its rest resets
+    only(p.on_event(Published(3), 6.4), Pull)
+    p.on_event(MixRequested(3), 6.5)
+    only(p.on_event(PullFailed(peer, 3), 11.5), Mix)
+    p.on_event(Published(4), 12.0)
+    p.on_event(MixRequested(4), 12.1)
+    assert only(p.on_event(Published(5), 12.5), Pull).dst == peer

@@ -15,8 +15,8 @@
   The two halves use the same two vectors, so the pair average is exact and the mean of all models
   is preserved by the averaging. A passive worker's own mix is its working parameters (which the
   actives average into) - its gradient step. A pull that fails or goes unanswered (PullFailed,
-  bounded by the driver) goes to another live passive; the failed one is not pulled for
-  `pull_backoff` seconds (nor again in that iteration); with none left the active's mix is its
+  bounded by the driver) goes to another live passive; the failed one rests before it is
+  pulled again (PullBackoff; nor again in that iteration); with none left the active's mix is its
   local step (the pair average may still have happened passively).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from peerd.sync.events import (CURRENT, Action, Average, Drop, Mix, MixRequested, PeerDown, Published,
                                Pull, PullFailed, PullRequested, Send, UpdateArrived, Wait)
 from peerd.sync.hop import Hop
-from peerd.sync.policy import Policy
+from peerd.sync.policy import Policy, PullBackoff
 from peerd.sync.topology import OnePeerExp, Topology, repair
 
 
@@ -53,7 +53,7 @@ class ADPSGD(Policy):
     name = "ad-psgd"
 
     def __init__(self, me: int, topo: Topology, *, seed: int = 0, active: bool | None = None,
-                 pull_backoff: float = 10.0) -> None:
+                 pull_backoff: float = 10.0, pull_backoff_first: float = 1.0) -> None:
         super().__init__(me, topo.n)
         self.topo = topo
         self.active = (me % 2 == 0) if active is None else active
@@ -65,14 +65,13 @@ class ADPSGD(Policy):
         self.reply: tuple[int, int] | None = None
         self.want = -1
         self.failed: set[int] = set()   # passives whose pull failed in this iteration
-        self.retry_at: dict[int, float] = {}   # passive -> when a failed one may be pulled again
-        self.pull_backoff = pull_backoff
+        self.backoff = PullBackoff(pull_backoff_first, pull_backoff)   # failed passives rest before the next pull
 
     def _pick(self, k: int, now: float) -> list[Action]:
         # The graph repaired around the dead (topology.repair), still active -> passive only.
         live = [j for j in repair(self.topo, self.dead).out_neighbors(self.me)
                 if (j % 2 == 0) != self.active and j not in self.dead and j not in self.failed
-                and self.retry_at.get(j, now) <= now]
+                and self.backoff.ready(j, now)]
         if not live:
             self.pulling = None
             return []
@@ -93,6 +92,7 @@ class ADPSGD(Policy):
         if not self.active or ev.src != self.pulling or self.reply is not None:
             return [Drop(ev.src, ev.k)]
         self.reply = (ev.src, ev.k)
+        self.backoff.answered(ev.src)
         return self._try(now)
 
     def on_pull_request(self, ev: PullRequested, now: float) -> list[Action]:
@@ -103,11 +103,11 @@ class ADPSGD(Policy):
                 Drop(ev.src, ev.k)]
 
     def on_pull_failed(self, ev: PullFailed, now: float) -> list[Action]:
-        # Another passive partner (the failed one rests pull_backoff seconds); none left: the local step.
+        # Another passive partner (the failed one rests: PullBackoff); none left: the local step.
         if not self.active or ev.k != self.k or ev.peer != self.pulling or self.reply is not None:
             return []
         self.failed.add(ev.peer)
-        self.retry_at[ev.peer] = now + self.pull_backoff
+        self.backoff.failed(ev.peer, now)
         return self._pick(self.k, now) + self._try(now)
 
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:

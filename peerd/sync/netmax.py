@@ -26,8 +26,8 @@ Probability matrix (reading choices; the paper's exact objective is reconstructe
 - Outer search: tbar on a geometric grid from the least feasible budget (max_i min_m t_im) to
   max_i max_m t_im, plus uniform's own budget; keep the P with the least tbar * (1 + beta / gap).
 - A pull that fails or goes unanswered (the driver bounds it; PullFailed) is drawn again from P
-  without that peer, which is not pulled again for `pull_backoff` seconds (nor again in that
-  iteration); with no peer left the mix is the local step.
+  without that peer, which rests before it is pulled again (nor again in that iteration; the rest
+  grows from `pull_backoff_first` to `pull_backoff` over failures in a row, see PullBackoff); with no peer left the mix is the local step.
 - Re-solved when any link estimate moves by more than `resolve_frac` (relative), and on PeerDown /
   PeerUp (dead peers get probability 0). Solutions are cached by input so N policies in one process
   solve once.
@@ -43,7 +43,7 @@ import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp,
                                Published, Pull, PullFailed, UpdateArrived, Wait)
-from peerd.sync.policy import Policy
+from peerd.sync.policy import Policy, PullBackoff
 from peerd.sync import topology
 from peerd.sync.topology import Topology
 
@@ -205,14 +205,14 @@ class NetMax(Policy):
 
     def __init__(self, me: int, topo: Topology, *, probs: str = "opt", gamma: float = 0.5,
                  resolve_frac: float = 0.2, consensus: float = 0.3, seed: int = 0,
-                 pull_backoff: float = 10.0) -> None:
+                 pull_backoff: float = 10.0, pull_backoff_first: float = 1.0) -> None:
         super().__init__(me, topo.n)
         if probs not in PROBS:
             raise ValueError(f"probs: expected one of {PROBS}, got {probs!r}")
         if not 0 < gamma <= 1:
             raise ValueError(f"gamma: must be in (0, 1], got {gamma}")
         self.topo, self.kind, self.gamma, self.resolve_frac = topo, probs, gamma, resolve_frac
-        self.consensus, self.pull_backoff = consensus, pull_backoff
+        self.consensus = consensus
         if probs != "opt":
             self.name = f"netmax-{probs}"
         self.adj = topo.adjacency()
@@ -224,7 +224,7 @@ class NetMax(Policy):
         self.reply: tuple[int, int] | None = None
         self.want = -1
         self.failed: set[int] = set()   # peers whose pull failed in this iteration
-        self.retry_at: dict[int, float] = {}   # peer -> when a failed peer may be pulled again
+        self.backoff = PullBackoff(pull_backoff_first, pull_backoff)   # failed peers rest before the next pull
 
     def _live_adj(self) -> np.ndarray:
         """The graph repaired around the dead (a ring re-links around the hole; dead rows empty)."""
@@ -247,7 +247,7 @@ class NetMax(Policy):
     def _pick(self, k: int, now: float) -> list[Action]:
         row = self.row()
         peers = [j for j in np.flatnonzero(row > 0)
-                 if j not in self.dead and j not in self.failed and self.retry_at.get(j, now) <= now]
+                 if j not in self.dead and j not in self.failed and self.backoff.ready(j, now)]
         if not peers:
             self.pulling = None
             return []
@@ -269,6 +269,7 @@ class NetMax(Policy):
         if ev.src != self.pulling or self.reply is not None:
             return [Drop(ev.src, ev.k)]
         self.reply = (ev.src, ev.k)
+        self.backoff.answered(ev.src)
         return self._try(now)
 
     def on_estimates(self, ev: LinkEstimates, now: float) -> list[Action]:
@@ -291,12 +292,12 @@ class NetMax(Policy):
         return self._try(now)
 
     def on_pull_failed(self, ev: PullFailed, now: float) -> list[Action]:
-        # Draw again from P without the failed peer, which is skipped for pull_backoff seconds
+        # Draw again from P without the failed peer, which rests (PullBackoff)
         # (not for good: a hiccup does not remove a link); with no one left, the local step.
         if ev.k != self.k or ev.peer != self.pulling or self.reply is not None:
             return []
         self.failed.add(ev.peer)
-        self.retry_at[ev.peer] = now + self.pull_backoff
+        self.backoff.failed(ev.peer, now)
         return self._pick(self.k, now) + self._try(now)
 
     def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:

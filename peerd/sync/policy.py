@@ -105,3 +105,31 @@ class Policy:
                 "dead": sorted(self.dead),
                 "waiting": {"reason": self.waiting.reason, "since": self.waiting.since,
                             "on": list(self.waiting.on)} if self.waiting.reason else None}
+
+
+class PullBackoff:
+    """How long a peer whose pull failed rests before it is pulled again (NetMax, AD-PSGD).
+
+    The first failure rests `first` seconds, each further failure in a row doubles that, up to
+    `most`; an answered pull resets the peer. Why not a fixed rest: the commonest failure is a
+    peer whose trainer has not published yet (hosts start seconds apart), which answers a moment
+    later; a fixed 10 s rest made the first tens of iterations local steps. A peer that keeps
+    failing still rests `most`, so a broken link costs at most one pull timeout per `most`."""
+
+    def __init__(self, first: float, most: float) -> None:
+        if not 0 < first <= most:
+            raise ValueError(f"pull_backoff: need 0 < first ({first}) <= most ({most})")
+        self.first, self.most = first, most
+        self.fails: dict[int, int] = {}
+        self.until: dict[int, float] = {}
+
+    def failed(self, peer: int, now: float) -> None:
+        n = self.fails[peer] = self.fails.get(peer, 0) + 1
+        self.until[peer] = now + min(self.most, self.first * 2 ** (n - 1))
+
+    def answered(self, peer: int) -> None:
+        self.fails.pop(peer, None)
+        self.until.pop(peer, None)
+
+    def ready(self, peer: int, now: float) -> bool:
+        return self.until.get(peer, now) <= now
