@@ -13,9 +13,9 @@ Model:
   PeerDown after `detect` seconds.
 - A late joiner (`join`: worker -> time) is absent from the start: every policy hears PeerDown for
   it before the first publish (the daemon's not-yet-filled ranks). At its time it copies the
-  parameters of the lowest-ranked live worker and starts at that worker's iteration; its policy
-  hears PeerDown for every absent worker and, after its first publish, PeerUp(j, k_j) for every
-  live one; every live worker hears PeerUp(joiner, k) at once (the daemon: its first update).
+  parameters of the lowest-ranked live worker and starts at that worker's iteration; its (fresh)
+  policy hears PeerDown for every absent worker; every live worker hears PeerUp(joiner, k) at once
+  (the daemon: when the joiner's pull or first update reaches it).
 - Parameters live in one (N, P) array; a message carries a reference to the immutable snapshot it
   sent (or a copy of the working buffer for live sends), freed when the receiver Drops it.
 - Timing-only mode keeps no parameters at all (protocol only), for very large N.
@@ -317,9 +317,6 @@ class Simulator:
         for j in live:
             self._act(j, self.pol[j].on_event(PeerUp(i, k0), self.now))
         self._publish(i, k0)
-        for j in live:
-            if not self.done[j]:
-                self._act(i, self.pol[i].on_event(PeerUp(j, max(self.k[j], 0)), self.now))
 
     # --- evaluation ---------------------------------------------------------------------------
     def _eval(self, full: bool = False) -> None:
