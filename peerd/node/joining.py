@@ -191,24 +191,38 @@ def run_info(daemon: "Daemon") -> pb.RunInfo:
                       nodes=run.nodes, iteration=run.policy.k)
 
 
-def claim(run: "TrainingRun", node: str, rank: int) -> str:
-    """Take `rank` for `node` in this member's table; "" when accepted, else the holder."""
-    if not run.spec.world <= rank < run.n:
-        return f"rank {rank} outside {run.spec.world}..{run.n - 1}"
-    if node in run.nodes and run.nodes.index(node) != rank:
-        return f"{node} already holds rank {run.nodes.index(node)}"
-    if run.nodes[rank] not in ("", node):
-        return run.nodes[rank]
-    if run.nodes[rank] == "":
-        run.nodes[rank] = node
-        run.returning.add(node)    # PeerUp once its run reaches us (its pull or first update)
-        log.info("run %s: rank %d taken by %s", run.tag, rank, node)
+def take(nodes: list[str], world: int, node: str, rank: int) -> str:
+    """The member-table rule: take `rank` for `node` in `nodes` (in place); "" when accepted, else
+    why not (the holder). One holder per rank, one rank per node, founders' ranks never."""
+    if not world <= rank < len(nodes):
+        return f"rank {rank} outside {world}..{len(nodes) - 1}"
+    if node in nodes and nodes.index(node) != rank:
+        return f"{node} already holds rank {nodes.index(node)}"
+    if nodes[rank] not in ("", node):
+        return nodes[rank]
+    nodes[rank] = node
     return ""
 
 
+def give_back(nodes: list[str], world: int, node: str, rank: int) -> bool:
+    """Withdraw `node`'s claim of `rank` (a joiner's only); True when it held it."""
+    if world <= rank < len(nodes) and nodes[rank] == node:
+        nodes[rank] = ""
+        return True
+    return False
+
+
+def claim(run: "TrainingRun", node: str, rank: int) -> str:
+    new = node not in run.nodes
+    why = take(run.nodes, run.spec.world, node, rank)
+    if not why and new:
+        run.returning.add(node)    # PeerUp once its run reaches us (its pull or first update)
+        log.info("run %s: rank %d taken by %s", run.tag, rank, node)
+    return why
+
+
 def release(run: "TrainingRun", node: str, rank: int) -> None:
-    if 0 <= rank < run.n and rank >= run.spec.world and run.nodes[rank] == node:
-        run.nodes[rank] = ""
+    if give_back(run.nodes, run.spec.world, node, rank):
         run.returning.discard(node)
         log.info("run %s: claim of rank %d for %s released", run.tag, rank, node)
 
