@@ -1107,8 +1107,8 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         run.replanner = Replanner(daemon.cfg, (spec.algorithm, spec.topology), inputs)
         run.replanner.last_check = time.monotonic()
     daemon.start_run(run)
-    log.info("run %s (tag %s): rank %d of %d (max %d), %s on %s, members %s", daemon.cfg.run_id, run.tag, run.rank,
-             spec.world, run.n, spec.algorithm, spec.topology, ", ".join(n or "-" for n in nodes))
+    log.info("run %s (tag %s): rank %d, world %d, max %d, %s on %s, members %s", daemon.cfg.run_id, run.tag,
+             run.rank, spec.world, run.n, spec.algorithm, spec.topology, ", ".join(n or "-" for n in nodes))
     how = "world formed" if run.rank < spec.world else "joined the run under way"
     yield cpb.TrainProgress(state="waiting", rank=run.rank, world=sum(map(bool, run.nodes)),
                             message=f"{how}: rank {run.rank} of {run.n}; starting the trainer")
