@@ -45,11 +45,13 @@ def test_fifth_host_joins_a_running_four_host_job(daemons):
                  and {p for p, s in late.peer_states().items() if s == "alive"} == ids, 20, "the 5th host in the swarm")
         joined_at = max(training(d)["policy"]["iteration"] for d in ds)
         procs.append(start_train(late, *OPTS))
-        # Its neighbours on the repaired ring (0 and 3) take it in: 4 is live for their policies, and
-        # in Hop's standard mode every mix of theirs past that point waits for 4's update of its
-        # iteration, so an advancing neighbour has mixed 4's updates.
+        by_rank = {training(d)["rank"]: d for d in ds}     # ranks go by node id
+        nbs = (by_rank[0], by_rank[3])
+        # Its neighbours on the repaired ring (0 and 3) take it in: 4 is live for their policies
+        # (neither dead nor absent), and in Hop's standard mode each of their mixes waits for 4's
+        # update of that iteration, so a neighbour that advances while 4 is live mixes 4's updates.
         def mixed_in() -> bool:
-            for d in (ds[0], ds[3]):
+            for d in nbs:
                 t = training(d)
                 pol = t.get("policy", {})
                 if (t.get("nodes", [""] * 5)[4] != late.node_id or 4 in pol.get("dead", [4])
@@ -58,16 +60,17 @@ def test_fifth_host_joins_a_running_four_host_job(daemons):
             return True
         wait_for(mixed_in, 240, "the joiner's neighbours to mix its updates")
         start = training(late)["policy"]["iteration"]
-        seen = {d.node_id: training(d)["policy"]["peer_iteration"]["4"] for d in (ds[0], ds[3])}
+        seen = {d.node_id: training(d)["policy"]["peer_iteration"]["4"] for d in nbs}
         # The joiner trains on for TRAIN_ON iterations, its neighbours mixing its updates all along;
         # then every host stops (after a checkpoint) and each host's own model is evaluated.
         t0 = time.monotonic()
         wait_for(lambda: training(late).get("policy", {}).get("iteration", -1) >= start + TRAIN_ON, 240,
                  f"the joiner to train {TRAIN_ON} iterations")
-        mixed = {d.node_id: training(d)["policy"]["peer_iteration"].get("4", -1) - seen[d.node_id] for d in (ds[0], ds[3])}
+        mixed = {d.node_id: training(d)["policy"]["peer_iteration"].get("4", -1) - seen[d.node_id] for d in nbs}
         print(f"joiner: {TRAIN_ON} iterations in {time.monotonic() - t0:.1f}s; its updates taken in by ranks 0 and 3 "
               f"for {mixed} more iterations")
         assert all(v >= TRAIN_ON // 2 for v in mixed.values()), mixed
+        assert mixed_in(), "a neighbour stopped taking the joiner in (dead or absent to it)"
         for d in [*ds, late]:
             assert stop(d) == 1
         runs = finish(procs, timeout=120)
