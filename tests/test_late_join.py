@@ -32,6 +32,7 @@ def training(d) -> dict:
     return json.loads(st.get("training_json") or "{}")
 
 
+@pytest.mark.timeout(900)   # about 1.5 min on an idle 2-core machine; 5+ min seen at load 40
 def test_fifth_host_joins_a_running_four_host_job(daemons):
     ds = swarm(daemons, 4, "j")
     procs = [start_train(d, *OPTS) for d in ds]
@@ -121,6 +122,7 @@ def own_accuracy(d) -> float:
     return task.evaluate(model)["accuracy"]
 
 
+@pytest.mark.timeout(600)   # under a minute idle; CLIs start slowly under load
 def test_a_full_run_or_other_options_refuse_a_new_host(daemons):
     ds = swarm(daemons, 2, "f")
     opts = ["--task", "svm", "--world", "2", "--iterations", "100000", "--algo", "hop", "--step-time", "0.05",

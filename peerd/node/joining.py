@@ -13,7 +13,8 @@ it never changes when hosts join.
   joiner, or a founder whose `peerd train` started late);
 - the same, this host not in the table: join it (below), or fail at once when every rank is taken;
 - a peer that would be a founder runs an active run with a different spec: wait (the message names
-  the first difference) until it finishes or `--join-timeout` passes, then fail naming it;
+  the first difference) until it finishes or `--join-timeout` passes, then fail naming it; so
+  does one that does not answer (a loaded host: it may run this very run);
 - otherwise form a new run as before.
 
 Joining: the joiner asks the run's lowest-ranked member it sees alive (the admitter) to JoinRun.
@@ -98,10 +99,15 @@ class Found:
     nodes: list[str]
 
 
-async def describe(daemon: "Daemon", node: str) -> pb.RunInfo | None:
+UNKNOWN = pb.RunInfo(active=False, iteration=-2)   # a peer that did not answer: it may run something
+
+
+async def describe(daemon: "Daemon", node: str) -> pb.RunInfo:
+    """What `node` runs; UNKNOWN when it did not answer (a daemon without DescribeRun runs nothing
+    that could be joined)."""
     m = daemon.membership.get(node)
     if m is None:
-        return None
+        return UNKNOWN
     method = "/peerd.v1.Peer/DescribeRun"
     stub = daemon._channel(m.address).unary_unary(method, request_serializer=pb.RunQuery.SerializeToString,
                                                   response_deserializer=pb.RunInfo.FromString)
@@ -110,7 +116,7 @@ async def describe(daemon: "Daemon", node: str) -> pb.RunInfo | None:
                           metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout)
     except grpc.aio.AioRpcError as e:
         log.info("describe run: %s did not answer: %s", node, e.code().name)
-        return None
+        return pb.RunInfo(active=False, iteration=-1) if e.code() == grpc.StatusCode.UNIMPLEMENTED else UNKNOWN
 
 
 async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, str]:
@@ -123,8 +129,9 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
     mine = shared_spec(spec)
     match: Found | None = None
     differ: dict[str, str] = {}
+    silent = {node for node, info in zip(alive, infos) if info is UNKNOWN}
     for node, info in zip(alive, infos):
-        if info is None or not info.active:
+        if not info.active:
             continue
         theirs = json.loads(info.spec_json)
         diff = first_difference(mine, theirs)
@@ -152,6 +159,9 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
     clash = {n: d for n, d in differ.items() if n in founders}
     if clash:
         return None, "; ".join(f"{n} runs a different run ({d})" for n, d in clash.items())
+    if silent & set(founders):
+        # It may run the run this host belongs to (or a different one): never form without knowing.
+        return None, f"asking {', '.join(sorted(silent & set(founders)))} what it runs: no answer yet"
     return founders + [""] * (spec.max_world - spec.world), ""
 
 
