@@ -32,6 +32,9 @@ def _line(p, iterations: int, width: int = 28) -> str:
               help="--algo auto: model size to plan with (default: the built-in task's parameter bytes)")
 @click.option("--topology", default="ring", show_default=True, help="ring, torus, exp, aer, complete (--algo auto picks its own)")
 @click.option("--world", type=int, required=True, help="hosts in the run, this one included")
+@click.option("--max-world", type=int, default=None,
+              help="hosts the run may grow to: up to MAX_WORLD - WORLD new hosts may join it later (same "
+                   "options on every host; default Config.train_max_world, 0: --world, nobody joins)")
 @click.option("--iterations", type=int, default=300, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="same on every host: same initial model")
 @click.option("--non-iid", is_flag=True, help="skewed label shards")
@@ -57,13 +60,24 @@ def _line(p, iterations: int, width: int = 28) -> str:
               help="seconds to wait for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
 @data_dir_option
-def train(task, script, algorithm, model_bytes, topology, world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
+def train(task, script, algorithm, model_bytes, topology, world, max_world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
           lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, eval_every, join_timeout, as_json, data_dir) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
     The local daemon waits until the run's world is present, starts the trainer (restarting it from
     its checkpoint if it crashes), drives the chosen sync algorithm and reports progress here.
     Ctrl+C stops this host's trainer.
+
+    \b
+    Joining a run under way: the daemon first asks the live peers what they run.
+    - A run with the same options that lists this host (a restarted host): it takes its rank back.
+    - A run with the same options, formed with --max-world above --world, and a rank free: this
+      host joins it. One member admits it and every live member agrees on its rank; it pulls a
+      neighbour's current parameters, starts at its iteration, trains on the data shard of
+      (rank mod world) and is mixed from its first update.
+    - The run is full, or the options differ: an error naming the first differing option (it
+      waits up to --join-timeout for a different run of a would-be member to finish first).
+    Hosts that have not joined yet are treated by every algorithm as dead workers.
     """
     import os
 
@@ -82,7 +96,8 @@ def train(task, script, algorithm, model_bytes, topology, world, iterations, see
         slowdown = float(os.environ.get("PEERD_SLOWDOWN", "1") or 1)
     req = cpb.TrainRequest(task=task, script=list(script), algorithm=algorithm, topology=topology, world=world,
                            iterations=iterations, seed=seed, non_iid=non_iid, slowdown=slowdown,
-                           options=options, eval_every=eval_every, join_timeout_s=join_timeout)
+                           options=options, eval_every=eval_every, join_timeout_s=join_timeout,
+                           max_world=max_world or 0)
     channel, stub = control_stub(data_dir)
     last = None
     tty = sys.stderr.isatty() and not as_json

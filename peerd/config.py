@@ -286,6 +286,12 @@ class Config:
     bench_swarm_timeout: float = _f(180.0, "seconds the lab's daemons may take to list each other as alive",
                                     scope="bench")
 
+    # --- late joiners: a run that admits new hosts (issue 8; peerd/node/joining.py) -------------
+    train_max_world: int = _f(0, "hosts a run may grow to by late joiners when `peerd train` gives no "
+                                 "--max-world (0: the run's --world, no new host joins)")
+    train_join_retry: float = _f(0.5, "seconds a host that wants to join a run waits before asking again "
+                                      "(contested rank, a member not answering, the run not found yet)")
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir or default_data_dir()).expanduser().absolute()

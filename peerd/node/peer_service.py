@@ -13,6 +13,7 @@ import grpc
 
 from peerd import PROTOCOL_VERSION
 from peerd.net.auth import NODE_KEY, NONCE_KEY, REPLY_MAC_KEY
+from peerd.node import joining
 from peerd.node.rpc import unary
 from peerd.node.convert import caps_from_pb, is_unspecified, rows_from_pb, split_host_port
 from peerd.v1 import peer_pb2 as pb
@@ -123,6 +124,31 @@ class PeerService:
                                 f"peerd: notice for run {request.run_id!r}, this daemon runs {self.d.cfg.run_id!r}")
         return pb.TrainerNoticeReply(iteration=self.d.on_trainer_notice(request))
 
+    async def _check_run(self, context, run_id: str, what: str) -> None:
+        if run_id != self.d.cfg.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"peerd: {what} for run {run_id!r}, this daemon runs {self.d.cfg.run_id!r}")
+
+    async def DescribeRun(self, request: pb.RunQuery, context) -> pb.RunInfo:
+        await self._check_claim(context, request.sender, "DescribeRun")
+        await self._check_run(context, request.run_id, "DescribeRun")
+        return joining.run_info(self.d)
+
+    async def JoinRun(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        await self._check_claim(context, request.sender, "JoinRun")
+        await self._check_run(context, request.run_id, "JoinRun")
+        try:
+            return await joining.admit(self.d, request)
+        except joining.JoinRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+        except (RuntimeError, ValueError) as e:   # contested or unanswered: the joiner asks again
+            await context.abort(grpc.StatusCode.ABORTED, f"peerd: {e}")
+
+    async def AdmitToRun(self, request: pb.AdmitRequest, context) -> pb.AdmitReply:
+        await self._check_claim(context, request.sender, "AdmitToRun")
+        await self._check_run(context, request.run_id, "AdmitToRun")
+        return joining.on_admit(self.d, request)
+
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             "SayHello": unary(self.SayHello, pb.Hello, pb.HelloReply),
@@ -131,6 +157,9 @@ class PeerService:
             "SayLeave": unary(self.SayLeave, pb.Leave, pb.LeaveReply),
             "GrantTokens": unary(self.GrantTokens, pb.TokenGrant, pb.TokenReply),
             "NoticeTrainer": unary(self.NoticeTrainer, pb.TrainerNotice, pb.TrainerNoticeReply),
+            "DescribeRun": unary(self.DescribeRun, pb.RunQuery, pb.RunInfo),
+            "JoinRun": unary(self.JoinRun, pb.JoinRequest, pb.JoinReply),
+            "AdmitToRun": unary(self.AdmitToRun, pb.AdmitRequest, pb.AdmitReply),
         }
 
 

@@ -46,7 +46,10 @@ Readings chosen here (the policy docstrings cover the algorithms):
 - Metrics ride on MixRequest (no RPC per iteration); ReportMetrics stays for the last ones.
 - A finished run drains (serves pulls and queued pushes with its final parameters) only until
   every other host of the run has finished or is gone, at most `train_drain_timeout`.
-- Joining a running swarm (a restarted daemon; same spec and world, hence same run tag): at attach,
+- A run may admit new hosts up to `max_world` (peerd/node/joining.py: formation, the member table,
+  admission; vacant ranks are dead workers to the policy). `peerd train` asks the live peers for
+  their run first, so a restarted host or a late joiner takes its rank in the run under way.
+- Joining a running swarm (a restarted daemon or a new host; the run's tag never changes): at attach,
   before the trainer's first publish, the daemon pulls a live neighbour's current parameters (the
   data plane: chunked, checksummed; answered from the neighbour's published snapshot, never behind
   its mixing). When they are more than `train_join_min_lead` iterations ahead of this host's own
@@ -58,9 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import hashlib
-import json
 import logging
 import math
 import os
@@ -78,6 +78,7 @@ import torch
 from peerd.net import tensorwire as tw
 from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
 from peerd.net.links import Ewma
+from peerd.node import joining
 from peerd.node.autoplan import Replanner
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
@@ -140,9 +141,10 @@ class RunSpec:
     script: list[str]
     eval_every: int
     join_timeout: float
+    max_world: int = 0          # ranks a run may grow to by late joiners (>= world)
 
     @classmethod
-    def from_request(cls, r: cpb.TrainRequest, default_join: float) -> "RunSpec":
+    def from_request(cls, r: cpb.TrainRequest, default_join: float, default_max_world: int = 0) -> "RunSpec":
         algo = ALGORITHM_ALIASES.get(r.algorithm, r.algorithm or "hop")
         if algo != "auto" and algo not in registry.ALGORITHMS:
             raise RunError(f"algorithm: unknown {r.algorithm!r}; known: {', '.join(registry.ALGORITHMS)}")
@@ -150,9 +152,12 @@ class RunSpec:
             raise RunError("task: name a built-in task (digits, svm, lm) or a script")
         if r.world < 1:
             raise RunError("world: must be at least 1")
+        max_world = r.max_world or default_max_world or r.world
+        if max_world < r.world:
+            raise RunError(f"max-world: {max_world} is below world {r.world}")
         return cls(r.task, algo, r.topology or "ring", r.world, r.iterations, r.seed, r.non_iid,
                    r.slowdown or 1.0, dict(r.options), list(r.script), r.eval_every,
-                   r.join_timeout_s or default_join)
+                   r.join_timeout_s or default_join, max_world)
 
 
 @dataclass
@@ -177,14 +182,14 @@ class TrainingRun:
     def __init__(self, daemon: "Daemon", spec: RunSpec, nodes: list[str]) -> None:
         self.d = daemon
         self.spec = spec
-        self.nodes = nodes
+        self.nodes = list(nodes)     # by rank; "" for a vacant rank (see peerd.node.joining)
         self.rank = nodes.index(daemon.node_id)
         self.n = len(nodes)
         self.session = uuid.uuid4().hex[:12]
         # Every host of this run derives the same tag; transfers carry it, so a late update of one
-        # run never reaches the next.
-        self.tag = hashlib.sha1(json.dumps([dataclasses.asdict(spec) | {"slowdown": 0}, nodes],
-                                           sort_keys=True).encode()).hexdigest()[:12]
+        # run never reaches the next. Founders only: a joiner does not change it.
+        self.tag = joining.run_tag(spec, self.nodes[:spec.world])
+        self.admitting = asyncio.Lock()   # one admission at a time when this host admits joiners
         topo = topology.make(spec.topology, self.n)
         opts = registry.options(daemon.cfg, spec.algorithm)
         for key in ("backup", "staleness", "max_ig", "max_skip"):
@@ -238,6 +243,9 @@ class TrainingRun:
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
         self.join_note = ""
         self.replanner: Replanner | None = None     # set for `--algo auto`
+        for r, node in enumerate(self.nodes):
+            if not node:
+                self.apply_all(self.policy.on_event(ev.PeerDown(r), time.monotonic()))   # vacant: as dead
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -340,7 +348,7 @@ class TrainingRun:
     def _announce(self, state: int) -> None:
         """Tell every other host of the run, each behind the updates already queued for it."""
         for dst in range(self.n):
-            if dst != self.rank:
+            if dst != self.rank and self.nodes[dst]:
                 self.notices_pending += 1
                 self._queue(dst).put_nowait(("notice", state, self.policy.k))
 
@@ -411,7 +419,7 @@ class TrainingRun:
     def drained(self) -> bool:
         """Nothing left to serve: every other host finished or gone, no push or notice of ours
         queued (stopping the run cancels the senders: our own FINISHED must be out first)."""
-        others = [i for i in range(self.n) if i != self.rank]
+        others = [i for i in range(self.n) if i != self.rank and self.nodes[i]]
         return not self.sending and not self.notices_pending and all(
             self.absent.get(i) == "finished" or
             (m := self.d.membership.get(self.nodes[i])) is None or m.state.value not in ("alive", "suspect")
@@ -538,11 +546,11 @@ class TrainingRun:
         return q
 
     async def _sender(self, dst: int, q: asyncio.Queue) -> None:
-        node = self.nodes[dst]
         while True:
             item = await q.get()
+            node = self.nodes[dst]   # read per item: a vacant rank may be taken by a joiner
             try:
-                member = self.d.membership.get(node)
+                member = self.d.membership.get(node) if node else None
                 if member is None:
                     continue
                 if item[0] == "grant":
@@ -667,7 +675,7 @@ class TrainingRun:
 
     def _join_candidates(self) -> list[str]:
         """Live run members, nearest rank first (a ring neighbour is freshest)."""
-        live = [m for m in self.nodes if m != self.d.node_id and (mem := self.d.membership.get(m)) is not None
+        live = [m for m in self.nodes if m and m != self.d.node_id and (mem := self.d.membership.get(m)) is not None
                 and mem.state.value == "alive"]
         return sorted(live, key=lambda m: min((self.nodes.index(m) - self.rank) % self.n,
                                               (self.rank - self.nodes.index(m)) % self.n))
@@ -694,9 +702,15 @@ class TrainingRun:
         start = max(self.policy.k + 1, 0)
         if self.progress.restarts and self.policy.k >= 0:
             start = max(start, await self._resume_point())
+        rank, world = self.data_shard()
         return cpb.AttachReply(node_id=self.d.node_id, session_id=self.session,
                                slot_paths=[str(p) for p in self.slot_paths], start_iteration=start,
-                               rank=self.rank, world=self.n)
+                               rank=rank, world=world)
+
+    def data_shard(self) -> tuple[int, int]:
+        """(rank, world) the trainer deals its data by: the data is dealt over the founding world,
+        a late joiner trains on the shard of its rank mod world."""
+        return self.rank % self.spec.world, self.spec.world
 
     async def _resume_point(self) -> int:
         """The lowest iteration of the live neighbours (ask them, bounded by rpc_timeout); they
@@ -909,8 +923,9 @@ class TrainingRun:
 
     def trainer_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        rank, world = self.data_shard()
         env.update(PEERD_CONTROL_SOCKET=str(self.d.cfg.control_socket), PEERD_SESSION=self.session,
-                   PEERD_RANK=str(self.rank), PEERD_WORLD=str(self.n), PEERD_SLOWDOWN=str(self.spec.slowdown),
+                   PEERD_RANK=str(rank), PEERD_WORLD=str(world), PEERD_SLOWDOWN=str(self.spec.slowdown),
                    PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=self.d.cfg.run_id,
                    PEERD_PAUSE_TIMEOUT=str(self.d.cfg.train_pause_timeout),
                    PEERD_CHECKPOINT_EVERY=str(self.d.cfg.checkpoint_every))
@@ -1006,7 +1021,8 @@ class TrainingRun:
         return cpb.TrainProgress(state=p.state, message=p.message, iteration=p.iteration, loss=p.loss,
                                  iterations_per_s=p.rate, peers_in_last_mix=p.peers_in_last_mix,
                                  gap_to_fastest=gap, elapsed_s=time.monotonic() - p.started,
-                                 metric_name=p.metric_name, metric=p.metric, rank=self.rank, world=self.n,
+                                 metric_name=p.metric_name, metric=p.metric, rank=self.rank,
+                                 world=sum(map(bool, self.nodes)),
                                  trainer_restarts=p.restarts, skipped=p.skipped, wall_time=time.time())
 
     def state(self) -> dict[str, Any]:
@@ -1052,7 +1068,7 @@ def form_world(daemon: "Daemon", world: int) -> list[str] | None:
 async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc.aio.ServicerContext):
     """The Train RPC: form the world, run the trainer, stream progress; the caller leaving stops it."""
     try:
-        spec = RunSpec.from_request(request, daemon.cfg.train_join_timeout)
+        spec = RunSpec.from_request(request, daemon.cfg.train_join_timeout, daemon.cfg.train_max_world)
     except RunError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: {e}")
     if daemon.training is not None:
@@ -1062,17 +1078,20 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         await daemon.training.stop()   # a finished run still serving its peers gives way
         daemon.end_run(daemon.training)
     started = time.monotonic()
-    nodes = form_world(daemon, spec.world)
-    while nodes is None:
+    while True:
+        # The run under way, if a live peer has one (rejoin or late join), else a new one formed.
+        try:
+            nodes, why = await joining.place(daemon, spec)
+        except joining.JoinRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+        if nodes is not None:
+            break
         waited = time.monotonic() - started
         if waited > spec.join_timeout:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"peerd: only {len(daemon.membership.alive()) + 1} of {spec.world} hosts present "
-                                f"after {spec.join_timeout:.0f}s")
-        yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited,
-                                message=f"{len(daemon.membership.alive()) + 1} of {spec.world} hosts present")
-        await asyncio.sleep(0.5)
-        nodes = form_world(daemon, spec.world)
+                                f"peerd: no run to take part in after {spec.join_timeout:.0f}s: {why}")
+        yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited, message=why)
+        await asyncio.sleep(daemon.cfg.train_join_retry)
     inputs = None
     if spec.algorithm == "auto":
         try:
@@ -1088,10 +1107,11 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         run.replanner = Replanner(daemon.cfg, (spec.algorithm, spec.topology), inputs)
         run.replanner.last_check = time.monotonic()
     daemon.start_run(run)
-    log.info("run %s: rank %d of %d, %s on %s, world %s", daemon.cfg.run_id, run.rank, run.n, spec.algorithm,
-             spec.topology, ", ".join(nodes))
-    yield cpb.TrainProgress(state="waiting", rank=run.rank, world=run.n,
-                            message=f"world formed: rank {run.rank} of {run.n}; starting the trainer")
+    log.info("run %s (tag %s): rank %d, world %d, max %d, %s on %s, members %s", daemon.cfg.run_id, run.tag,
+             run.rank, spec.world, run.n, spec.algorithm, spec.topology, ", ".join(n or "-" for n in nodes))
+    how = "world formed" if run.rank < spec.world else "joined the run under way"
+    yield cpb.TrainProgress(state="waiting", rank=run.rank, world=sum(map(bool, run.nodes)),
+                            message=f"{how}: rank {run.rank} of {run.n}; starting the trainer")
     supervisor = asyncio.get_running_loop().create_task(run.supervise())
     try:
         while not run.done.is_set():

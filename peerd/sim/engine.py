@@ -11,6 +11,11 @@ Model:
   pull requests without data) take the latency only.
 - A crashed worker stops at its crash time; messages to it are lost; every other worker gets
   PeerDown after `detect` seconds.
+- A late joiner (`join`: worker -> time) is absent from the start: every policy hears PeerDown for
+  it before the first publish (the daemon's not-yet-filled ranks). At its time it copies the
+  parameters of the lowest-ranked live worker and starts at that worker's iteration; its (fresh)
+  policy hears PeerDown for every absent worker; every live worker hears PeerUp(joiner, k) at once
+  (the daemon: when the joiner's pull or first update reaches it).
 - Parameters live in one (N, P) array; a message carries a reference to the immutable snapshot it
   sent (or a copy of the working buffer for live sends), freed when the receiver Drops it.
 - Timing-only mode keeps no parameters at all (protocol only), for very large N.
@@ -27,7 +32,7 @@ import numpy as np
 
 from peerd.sim.objective import Quadratic
 from peerd.sync.events import (CURRENT, Average, Drop, Grant, LinkEstimates, Mix, MixRequested,
-                               PeerDown, Published, Pull, PullRequested, Send, Skip, Tick, TokensArrived,
+                               PeerDown, PeerUp, Published, Pull, PullRequested, Send, Skip, Tick, TokensArrived,
                                UpdateArrived, Wait)
 from peerd.sync.policy import Policy
 
@@ -55,6 +60,7 @@ class SimSpec:
     max_time: float = math.inf
     eval_every: float = 0.0            # simulated seconds between evaluations (0: compute / 2)
     crash: dict[int, float] = field(default_factory=dict)
+    join: dict[int, float] = field(default_factory=dict)   # late joiners: worker -> time it joins
     detect: float = 0.5                # seconds until PeerDown reaches the others
     timing_only: bool = False
     hetero: float = 1.0
@@ -123,7 +129,7 @@ def _matrix(v: Any, n: int, name: str) -> Any:
 
 
 # Heap entry kinds.
-_DELIVER, _COMPUTED, _EVAL, _CRASH, _LINKS = 0, 1, 2, 3, 4
+_DELIVER, _COMPUTED, _EVAL, _CRASH, _LINKS, _JOIN = 0, 1, 2, 3, 4, 5
 
 
 class Simulator:
@@ -292,6 +298,26 @@ class Simulator:
         if nxt is not None and publish_ok and not self.done[i]:
             self._publish(i, nxt)
 
+    def _join(self, i: int) -> None:
+        live = [j for j in range(self.spec.n) if self.alive[j] and j != i]
+        if not live:
+            raise SimError(f"worker {i}: joins with no live worker to copy")
+        src = live[0]
+        if self.X is not None:
+            self.X[i] = self.X[src]
+        self.alive[i] = True
+        for j in range(self.spec.n):
+            if j != i and not self.alive[j]:
+                self._act(i, self.pol[i].on_event(PeerDown(j), self.now))
+        if self.spec.estimates != "none":
+            m = self.estimates(self.spec.estimates)
+            m.flags.writeable = False
+            self._act(i, self.pol[i].on_event(LinkEstimates(m, effective_k=0), self.now))
+        k0 = max(self.k[src], 0)
+        for j in live:
+            self._act(j, self.pol[j].on_event(PeerUp(i, k0), self.now))
+        self._publish(i, k0)
+
     # --- evaluation ---------------------------------------------------------------------------
     def _eval(self, full: bool = False) -> None:
         """Loss of the average model; the consensus distance (a full pass over (N, P)) only every
@@ -343,6 +369,13 @@ class Simulator:
         self._announce(0)
         for i, t in s.crash.items():
             self._push(t, _CRASH, i, None)
+        for i, t in s.join.items():
+            self.alive[i] = False
+            self._push(t, _JOIN, i, None)
+        for i in s.join:
+            for j in range(s.n):
+                if j != i and self.alive[j]:
+                    self._act(j, self.pol[j].on_event(PeerDown(i), 0.0))
         for t, bw in s.bandwidth_changes.items():
             self._push(t, _LINKS, -1, _matrix(bw, s.n, "bandwidth_changes"))
         every = s.eval_every or s.compute / 2
@@ -350,7 +383,8 @@ class Simulator:
             self._eval()
             self._push(every, _EVAL, -1, None)
         for i in range(s.n):
-            self._publish(i, 0)
+            if self.alive[i]:
+                self._publish(i, 0)
         while self.heap:
             t, _, kind, i, payload = heapq.heappop(self.heap)
             if t > s.max_time:
@@ -385,6 +419,8 @@ class Simulator:
                 # Takes effect one iteration past the most advanced worker: nobody has mixed it yet,
                 # so every worker switches at the same iteration (what AAU's agreement needs).
                 self._announce(max(self.k) + 1)
+            elif kind == _JOIN:
+                self._join(i)
             elif kind == _CRASH:
                 self.alive[i] = False
                 self.finish[i] = t

@@ -112,7 +112,7 @@ class LinkMeasurement(_message.Message):
     def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("task", "algorithm", "topology", "world", "iterations", "seed", "non_iid", "slowdown", "options", "script", "eval_every", "join_timeout_s")
+    __slots__ = ("task", "algorithm", "topology", "world", "iterations", "seed", "non_iid", "slowdown", "options", "script", "eval_every", "join_timeout_s", "max_world")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class TrainRequest(_message.Message):
     SCRIPT_FIELD_NUMBER: _ClassVar[int]
     EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_FIELD_NUMBER: _ClassVar[int]
     task: str
     algorithm: str
     topology: str
@@ -144,7 +145,8 @@ class TrainRequest(_message.Message):
     script: _containers.RepeatedScalarFieldContainer[str]
     eval_every: int
     join_timeout_s: float
-    def __init__(self, task: _Optional[str] = ..., algorithm: _Optional[str] = ..., topology: _Optional[str] = ..., world: _Optional[int] = ..., iterations: _Optional[int] = ..., seed: _Optional[int] = ..., non_iid: _Optional[bool] = ..., slowdown: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., script: _Optional[_Iterable[str]] = ..., eval_every: _Optional[int] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
+    max_world: int
+    def __init__(self, task: _Optional[str] = ..., algorithm: _Optional[str] = ..., topology: _Optional[str] = ..., world: _Optional[int] = ..., iterations: _Optional[int] = ..., seed: _Optional[int] = ..., non_iid: _Optional[bool] = ..., slowdown: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., script: _Optional[_Iterable[str]] = ..., eval_every: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., max_world: _Optional[int] = ...) -> None: ...
 
 class TrainProgress(_message.Message):
     __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped", "wall_time")

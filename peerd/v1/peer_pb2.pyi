@@ -292,3 +292,69 @@ class TrainerNoticeReply(_message.Message):
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     def __init__(self, iteration: _Optional[int] = ...) -> None: ...
+
+class RunQuery(_message.Message):
+    __slots__ = ("sender", "run_id")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class RunInfo(_message.Message):
+    __slots__ = ("active", "tag", "spec_json", "nodes", "iteration")
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    active: bool
+    tag: str
+    spec_json: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    iteration: int
+    def __init__(self, active: _Optional[bool] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("sender", "run_id", "tag", "spec_json")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    tag: str
+    spec_json: str
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("rank", "nodes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("sender", "run_id", "tag", "node", "rank", "release")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    run_id: str
+    tag: str
+    node: str
+    rank: int
+    release: bool
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., tag: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("accepted", "holder")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    holder: str
+    def __init__(self, accepted: _Optional[bool] = ..., holder: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,21 @@ class PeerStub:
                 request_serializer=peerd_dot_v1_dot_peer__pb2.TrainerNotice.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.FromString,
                 _registered_method=True)
+        self.DescribeRun = channel.unary_unary(
+                '/peerd.v1.Peer/DescribeRun',
+                request_serializer=peerd_dot_v1_dot_peer__pb2.RunQuery.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peer__pb2.RunInfo.FromString,
+                _registered_method=True)
+        self.JoinRun = channel.unary_unary(
+                '/peerd.v1.Peer/JoinRun',
+                request_serializer=peerd_dot_v1_dot_peer__pb2.JoinRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peer__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.AdmitToRun = channel.unary_unary(
+                '/peerd.v1.Peer/AdmitToRun',
+                request_serializer=peerd_dot_v1_dot_peer__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peer__pb2.AdmitReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -128,6 +143,24 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitToRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +203,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.NoticeTrainer,
                     request_deserializer=peerd_dot_v1_dot_peer__pb2.TrainerNotice.FromString,
                     response_serializer=peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.SerializeToString,
+            ),
+            'DescribeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeRun,
+                    request_deserializer=peerd_dot_v1_dot_peer__pb2.RunQuery.FromString,
+                    response_serializer=peerd_dot_v1_dot_peer__pb2.RunInfo.SerializeToString,
+            ),
+            'JoinRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinRun,
+                    request_deserializer=peerd_dot_v1_dot_peer__pb2.JoinRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peer__pb2.JoinReply.SerializeToString,
+            ),
+            'AdmitToRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitToRun,
+                    request_deserializer=peerd_dot_v1_dot_peer__pb2.AdmitRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peer__pb2.AdmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +436,87 @@ class Peer:
             '/peerd.v1.Peer/NoticeTrainer',
             peerd_dot_v1_dot_peer__pb2.TrainerNotice.SerializeToString,
             peerd_dot_v1_dot_peer__pb2.TrainerNoticeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Peer/DescribeRun',
+            peerd_dot_v1_dot_peer__pb2.RunQuery.SerializeToString,
+            peerd_dot_v1_dot_peer__pb2.RunInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Peer/JoinRun',
+            peerd_dot_v1_dot_peer__pb2.JoinRequest.SerializeToString,
+            peerd_dot_v1_dot_peer__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitToRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Peer/AdmitToRun',
+            peerd_dot_v1_dot_peer__pb2.AdmitRequest.SerializeToString,
+            peerd_dot_v1_dot_peer__pb2.AdmitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,62 @@
+"""The pure parts of joining a run (peerd/node/joining.py): the shared spec and its tag, the first
+difference named, and the member-table rule that keeps two joiners off one rank."""
+from __future__ import annotations
+
+import dataclasses
+
+from peerd.node.joining import first_difference, give_back, run_tag, shared_spec, take
+from peerd.node.training import RunSpec
+
+SPEC = RunSpec("digits", "hop", "ring", 4, 300, 0, False, 1.0, {"lr": "0.1"}, [], 50, 60.0, 8)
+FOUNDERS = ["a", "b", "c", "d"]
+
+
+def test_tag_ignores_per_host_fields_and_names_the_founders():
+    tag = run_tag(SPEC, FOUNDERS)
+    assert run_tag(dataclasses.replace(SPEC, slowdown=3.0, join_timeout=5.0), FOUNDERS) == tag
+    assert run_tag(dataclasses.replace(SPEC, max_world=6), FOUNDERS) != tag
+    assert run_tag(SPEC, ["a", "b", "c", "e"]) != tag
+    assert "slowdown" not in shared_spec(SPEC) and shared_spec(SPEC)["max_world"] == 8
+
+
+def test_first_difference_is_named_in_a_fixed_order():
+    ours = shared_spec(SPEC)
+    assert first_difference(ours, dict(ours)) is None
+    theirs = shared_spec(dataclasses.replace(SPEC, iterations=200, seed=3))
+    assert first_difference(ours, theirs) == "iterations: 300 here, 200 in the run"
+    theirs = shared_spec(dataclasses.replace(SPEC, options={"lr": "0.2"}))
+    assert first_difference(ours, theirs) == "options: {'lr': '0.1'} here, {'lr': '0.2'} in the run"
+    auto = shared_spec(dataclasses.replace(SPEC, algorithm="auto", topology="ring"))
+    assert first_difference(auto, shared_spec(dataclasses.replace(SPEC, topology="torus"))) is None
+
+
+def test_one_holder_per_rank_one_rank_per_node():
+    nodes = FOUNDERS + ["", "", "", ""]
+    assert take(nodes, 4, "x", 4) == ""
+    assert take(nodes, 4, "x", 4) == ""                  # the same claim again: idempotent
+    assert take(nodes, 4, "y", 4) == "x"                 # a second joiner for that rank: refused
+    assert take(nodes, 4, "x", 5).startswith("x already holds rank 4")
+    assert take(nodes, 4, "y", 2).startswith("rank 2 outside")   # a founder's rank is never given
+    assert take(nodes, 4, "y", 8).startswith("rank 8 outside")
+    assert not give_back(nodes, 4, "y", 4) and nodes[4] == "x"  # only the holder's claim is withdrawn
+    assert give_back(nodes, 4, "x", 4) and nodes[4] == ""
+    assert take(nodes, 4, "y", 4) == "" and nodes == FOUNDERS + ["y", "", "", ""]
+
+
+def test_two_admitters_with_overlapping_members_never_both_win():
+    """Admitters P and Q claim rank 4 for x and y at once; each claims locally first, then at every
+    other member it sees alive, in any order. An admission commits only if all accepted."""
+    import itertools
+    members = ["a", "b", "c"]
+    for order in itertools.permutations([("a", "x"), ("b", "y"), ("c", "x"), ("c", "y"), ("b", "x"), ("a", "y")]):
+        tables = {m: FOUNDERS + ["", "", "", ""] for m in members}
+        take(tables["a"], 4, "x", 4)                   # P is a, Q is b: their own claims come first
+        take(tables["b"], 4, "y", 4)
+        accepted = {"x": {"a"}, "y": {"b"}}
+        for member, node in order:
+            if member == ("a" if node == "x" else "b"):
+                continue
+            if take(tables[member], 4, node, 4) == "":
+                accepted[node].add(member)
+        winners = [n for n, acc in accepted.items() if acc == set(members)]
+        assert len(winners) <= 1, order
