@@ -1,7 +1,14 @@
 """`peerd demo`: the main job on one machine. Four daemons find each other, then train the built-in
 digit classifier together twice, with one host 4x slower: once with Hop (backup worker + iteration
 skipping), once with D-PSGD (wait for every neighbour). It prints time to accuracy and final
-accuracy side by side and writes a loss-versus-time plot of every host."""
+accuracy side by side and writes a loss-versus-time plot of every host.
+
+Compute is emulated with the trainer's pacing (`peerd train --step-time`, peerd/train/pace.py):
+every step is padded with a sleep to a fixed time (the slow host's to `slowdown` times it), so the
+hosts' relative speeds hold whatever else loads the machine. Stretching the real 1 ms step instead
+(a factor on measured compute) multiplied every scheduling delay of a loaded machine by that factor:
+the fast hosts' "0.1 s" steps measured 0.4-1.2 s on average, up to 15 s, and the 4x straggler was
+often not the slowest host."""
 from __future__ import annotations
 
 import json
@@ -26,11 +33,11 @@ def _step(msg: str) -> None:
 
 
 def run_training(swarm: list[LocalDaemon], algo: str, args: list[str], slow: int, slowdown: float,
-                 scale: float, timeout: float) -> list[list[dict]]:
+                 step_time: float, timeout: float) -> list[list[dict]]:
     """`peerd train` on every host at once; each host's JSON progress records, with wall times."""
     procs, outputs = [], []
     for i, d in enumerate(swarm):
-        extra = ["--slowdown", str(scale * (slowdown if i == slow else 1))]
+        extra = ["--step-time", str(step_time), "--slowdown", str(slowdown if i == slow else 1)]
         out = d.data_dir.parent / f"{d.data_dir.name}-{algo}.jsonl"
         outputs.append(out)
         with open(out, "w") as fh:  # a file, not a pipe: a full pipe would stall the progress stream
@@ -121,12 +128,13 @@ def plot(results: dict[str, list[list[dict]]], path: Path, slow: int) -> bool:
 @click.option("--iterations", default=120, show_default=True, help="training iterations per run")
 @click.option("--slowdown", default=4.0, show_default=True, help="how much slower the last host computes")
 @click.option("--target", default=0.9, show_default=True, help="accuracy every host must reach")
-@click.option("--compute-scale", default=100.0, show_default=True,
-              help="every host stretches each step to this many times its real compute, to emulate a model "
-                   "whose compute outweighs the per-iteration overhead (the digit CNN takes about 1 ms a step)")
+@click.option("--step-time", default=0.1, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="seconds of emulated compute per step on a fast host (the slow host's are --slowdown times "
+                   "longer): a model whose compute outweighs the per-iteration overhead (the digit CNN itself "
+                   "takes about 1 ms a step)")
 @click.option("--dir", "workdir", default=".demo", show_default=True, type=click.Path(file_okay=False),
               help="data dirs, logs and the plot (wiped at start)")
-def demo(hosts: int, iterations: int, slowdown: float, target: float, compute_scale: float, workdir: str) -> None:
+def demo(hosts: int, iterations: int, slowdown: float, target: float, step_time: float, workdir: str) -> None:
     """Start a local swarm, then train the digit classifier with Hop and with D-PSGD while one host is
     several times slower; compare time to accuracy (mean of the hosts' models) and final accuracy
     (of the averaged model), and write a loss-versus-time plot."""
@@ -146,7 +154,7 @@ def demo(hosts: int, iterations: int, slowdown: float, target: float, compute_sc
         for i in range(hosts):
             seeds = [swarm[-1].address] if swarm else []
             d = LocalDaemon(root / f"host{i + 1}", secret, seeds, FAST).start()
-            d.wait_ready()
+            d.wait_ready(60)   # a loaded machine starts a daemon slowly
             swarm.append(d)
             click.echo(f"  host{i + 1}: node {d.node_id} at {d.address}")
         ids = {d.node_id for d in swarm}
@@ -160,9 +168,9 @@ def demo(hosts: int, iterations: int, slowdown: float, target: float, compute_sc
                 "--topology", "ring"]
         for algo, title in CONTENDERS:
             _step(f"training with {title}: host{slow + 1} computes {slowdown:g}x slower than the others "
-                  f"(every step stretched {compute_scale:g}x to emulate a heavier model)")
+                  f"(steps paced to {step_time:g}s, {step_time * slowdown:g}s there, to emulate a heavier model)")
             t0 = time.monotonic()
-            records = run_training(swarm, algo, args, slow, slowdown, compute_scale, timeout=240)
+            records = run_training(swarm, algo, args, slow, slowdown, step_time, timeout=240)
             results[algo] = records
             acc, dist = averaged_accuracy(swarm, newest_checkpoints(swarm))
             ttt = time_to_target(records, target)
