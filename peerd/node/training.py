@@ -43,6 +43,11 @@ Readings chosen here (the policy docstrings cover the algorithms):
   slot the trainer's Mix(k) will name (the one it did not publish into; the published one is
   already snapshotted). Mix(k) then only answers. Modes that mix "whatever is in hand" when the
   gradient is ready (backup, staleness, asynchronous) keep requesting at Mix(k).
+- Incremental mix: for a policy with a preview (Hop's backup and staleness modes), the daemon sums
+  the mix while updates arrive, from Publish(k) on, into that same free slot (peerd.node.mixacc):
+  each update is added as it lands (during the trainer's forward/backward), one the policy drops
+  is subtracted before it is freed, and Mix(k) then costs nothing when every in-neighbour's update
+  was in (one scaling pass when some were not), or the full sum when the decided entries differ.
 - Metrics ride on MixRequest (no RPC per iteration); ReportMetrics stays for the last ones.
 - A finished run drains (serves pulls and queued pushes with its final parameters) only until
   every other host of the run has finished or is gone, at most `train_drain_timeout`.
@@ -80,8 +85,10 @@ from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
 from peerd.net.links import Ewma
 from peerd.node import joining
 from peerd.node.autoplan import Replanner
+from peerd.node.mixacc import MixAccumulator, summable
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
+from peerd.sync.policy import Policy
 from peerd.train.flat import Layout, LayoutMismatch, all_finite
 from peerd.v1 import control_pb2 as cpb
 from peerd.v1 import peer_pb2 as pb
@@ -235,6 +242,7 @@ class TrainingRun:
                       and getattr(self.policy, "staleness", 0) is None and not getattr(self.policy, "skip", True))
         self.eager_k = -1                      # iteration whose mix was requested at publish
         self.eager_slot = 0
+        self.acc: MixAccumulator | None = None  # the incremental mix (set at attach where it applies)
         self.subscribers: set[asyncio.Queue] = set()   # the trainer's Directives streams
         self.notices_pending = 0               # our notices queued or in flight (a drain waits for them)
         self.paused = False
@@ -259,6 +267,8 @@ class TrainingRun:
             self.fail(f"policy error on {type(event).__name__}")
             return
         self.apply_all(actions)
+        if self.acc is not None and self.acc.k >= 0:
+            self._accumulate()
 
     def apply_all(self, actions: list[ev.Action]) -> None:
         for action in actions:
@@ -288,6 +298,8 @@ class TrainingRun:
             case ev.Drop():
                 rec = self.received.pop((a.src, a.k), None)
                 if rec is not None:
+                    if self.acc is not None:
+                        self.acc.withdraw((a.src, a.k), rec.buffer)
                     rec.release()
             case ev.Wait():
                 if a.until is not None:
@@ -696,9 +708,14 @@ class TrainingRun:
             base = slot_dir(self.d.data.path)
             self.slot_paths = [base / f"peerd-{self.d.node_id}-{self.session}-{i}" for i in range(2)]
             self.slots = [map_slot(p, layout.total_bytes, create=True) for p in self.slot_paths]
+            if (not self.eager and type(self.policy).preview is not Policy.preview and summable(layout)
+                    and len(self.slots) == 2):
+                self.acc = MixAccumulator(layout)
             held, self.unattached = self.unattached, []
             for rec in held:
                 self.on_received(rec)
+        if self.acc is not None:
+            self.acc.stop()   # a restarted trainer: the slots are its own until it publishes
         start = max(self.policy.k + 1, 0)
         if self.progress.restarts and self.policy.k >= 0:
             start = max(start, await self._resume_point())
@@ -772,6 +789,17 @@ class TrainingRun:
         if self.eager and len(self.slots) == 2:
             self.eager_k, self.eager_slot = k, 1 - slot
             self.feed(ev.MixRequested(k))
+        elif self.acc is not None:
+            self.acc.start(k, self.slots[1 - slot])   # free until Mix(k) names it (see eager)
+            self._accumulate()
+
+    def _accumulate(self) -> None:
+        """Bring the incremental mix up to what the policy would mix now."""
+        acc = self.acc
+        if acc.k != self.policy.k:
+            acc.stop()
+            return
+        acc.sync(self.policy.preview(acc.k), self._part_buffer)
 
     def _retire_own(self) -> None:
         keep = max(8, int(self.d.cfg.hop_max_ig) + 4)
@@ -821,7 +849,14 @@ class TrainingRun:
             out = staged = self.slots[self.eager_slot]   # free: the trainer published into the other one
         else:
             out = staged = torch.empty(self.layout.total_bytes, dtype=torch.uint8)
-        used = self._weighted_sum(out, mix.entries)
+        used = None
+        if self.acc is not None and self.acc.k == mix.k:
+            if waiting and self.acc.out.data_ptr() == out.data_ptr():
+                used = self.acc.finish(mix.k, mix.entries, self._part_buffer)
+            else:
+                self.acc.stop()
+        if used is None:
+            used = self._weighted_sum(out, mix.entries)
         for captured in self.pending_average:
             self._average_into(out, captured)
         self.pending_average.clear()
@@ -857,17 +892,20 @@ class TrainingRun:
         Returns how many buffers were used."""
         parts = []
         for src, k, w in entries:
-            if src == self.rank:
-                buf = self._buffer_for(k, False)
-            else:
-                rec = self.received.get((src, k))
-                buf = rec.buffer if rec is not None else None
+            buf = self._part_buffer(src, k)
             if buf is not None and w > 0:
                 parts.append((buf, w))
             elif buf is None:
                 log.debug("mix entry (%d, %d) has no buffer; held: %s", src, k, sorted(self.received))
         self._combine(out, parts)
         return len(parts)
+
+    def _part_buffer(self, src: int, k: int) -> torch.Tensor | None:
+        """The parameters of the mix entry (src, k), if held."""
+        if src == self.rank:
+            return self._buffer_for(k, False)
+        rec = self.received.get((src, k))
+        return rec.buffer if rec is not None else None
 
     def _combine(self, out: torch.Tensor, parts: list[tuple[torch.Tensor, float]]) -> None:
         """out = sum of w * buf over parts, per typed run of the layout (a few large ops, no
@@ -1005,6 +1043,9 @@ class TrainingRun:
                 fut.set_exception(RunError("run stopped"))
         for p in self.slot_paths:
             p.unlink(missing_ok=True)
+        if self.acc is not None:
+            log.info("incremental mix: %d mixes from the running sum, %d summed in full, %d passes in the sum",
+                     self.acc.hits, self.acc.misses, self.acc.passes)
         if self.wire is not None:
             for base in ("model", "carry"):
                 self.d.dataplane.set_layout(self.kind(base), None)
@@ -1037,6 +1078,8 @@ class TrainingRun:
                 "policy": self.policy.state(), "held_updates": len(self.received),
                 "absent": {self.nodes[i]: why for i, why in self.absent.items()},
                 "dropped_nonfinite": self.dropped_nonfinite, "dropped_bad": dict(self.dropped_bad),
+                "incremental_mix": {"hits": self.acc.hits, "misses": self.acc.misses,
+                                    "passes": self.acc.passes} if self.acc is not None else None,
                 "tag": self.tag}
 
 

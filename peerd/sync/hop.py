@@ -55,7 +55,7 @@ from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown,
                                Send, Skip, Tick, TokensArrived, UpdateArrived, Wait)
 from peerd.sync.policy import Policy
 from peerd.sync import topology
-from peerd.sync.topology import Topology, renormalise
+from peerd.sync.topology import Topology
 
 
 class Hop(Policy):
@@ -221,6 +221,22 @@ class Hop(Policy):
         have = {j for j, _ in got}
         return got, [j for j in nb if j not in have]
 
+    def _entries(self, k: int, got: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
+        """Self first, then the usable updates, with the topology's (not renormalised) weights."""
+        row = self.topo.weights(self.me, k)
+        if row.get(self.me, 0) <= 0:
+            raise ValueError(f"topology: worker {self.me} gives itself no weight in row {row}")
+        return [(self.me, k, row[self.me])] + [(j, kj, row[j]) for j, kj in got]
+
+    def preview(self, k: int) -> tuple[tuple[int, int, float], ...] | None:
+        """Pure: the entries the mix of k would use if it were decided now (the updates in hand,
+        whatever the backup count and the tokens say), with the topology's weights before
+        renormalisation; None once k is mixed or while k is not the published iteration. The mix
+        itself uses the entries in hand when it is decided, each weight divided by their sum."""
+        if k != self.k or self.mixed >= k:
+            return None
+        return tuple(self._entries(k, self._gather(k)[0]))
+
     def _try(self, now: float) -> list[Action]:
         k = self.want
         if k < 0 or k != self.k or self.mixed >= k:
@@ -246,8 +262,9 @@ class Hop(Policy):
             if self.max_ig is not None:
                 steps = max(1, min(steps, avail))
         self._unwait()
-        row = renormalise(self.topo.weights(self.me, k), [self.me] + [j for j, _ in got])
-        entries = [(self.me, k, row[self.me])] + [(j, kj, row[j]) for j, kj in got]
+        raw = self._entries(k, got)
+        total = sum(w for _, _, w in raw)
+        entries = [(j, kj, w / total) for j, kj, w in raw]
         out: list[Action] = [Mix(k, tuple(entries), waited=tuple(j for j, _ in got))]
         self.mixes += 1
         self.mixed = k

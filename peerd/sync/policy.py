@@ -93,6 +93,12 @@ class Policy:
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return []
 
+    def preview(self, k: int) -> tuple[tuple[int, int, float], ...] | None:
+        """Optional, pure: the (src, iteration, weight) entries the mix of k would use if it were
+        decided now, weights before renormalisation over the entries used; lets a driver sum the
+        mix while updates arrive. None: no preview (the default) or nothing left to mix for k."""
+        return None
+
     def _wait(self, reason: str, on: list[int], now: float) -> None:
         if self.waiting.reason != reason or self.waiting.on != on:
             self.waiting = WaitInfo(reason, now, on)

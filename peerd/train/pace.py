@@ -5,7 +5,7 @@ many emulated hosts share a 2-core machine without becoming CPU-bound) to make c
 per-iteration overhead, the unit of time:
 
 - `step_time` T > 0 pads each step to T seconds (a fixed, load-independent base); T = 0 keeps the
-  step's real compute time as the base (the `--slowdown` semantics of `peerd demo`);
+  step's real compute time as the base (a plain `--slowdown`);
 - `slowdown` F multiplies the base: a permanent straggler;
 - with probability `slow_prob` an iteration is `slow_factor` times slower again (random
   slowdowns); the draws are a pure function of (seed, rank, iteration), so every contender of a
