@@ -288,7 +288,12 @@ if __name__ == "__main__":  # `python -m cli.bench transport ...` (the same as `
 @click.option("--params", default=25_000_000, show_default=True, help="model parameters (float32)")
 @click.option("--iterations", default=6, show_default=True, help="timed iterations (the first is a warm-up)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per timed iteration and host")
-def control(params: int, iterations: int, as_json: bool) -> None:
+@click.option("--copy-publish", is_flag=True,
+              help="keep the parameters in the trainer's own buffer and copy them into a slot at every publish "
+                   "(the default keeps them in the shared slot, as DecentralizedOptimizer does)")
+@click.option("--settle", default=1.5, show_default=True,
+              help="seconds each iteration waits before its Mix, for the neighbour's update to arrive")
+def control(params: int, iterations: int, as_json: bool, copy_publish: bool, settle: float) -> None:
     """Cost of Publish + Mix through the daemon (shared memory, two hosts mixing), against the step.
 
     Starts two daemons on loopback and trains a linear layer of --params parameters with D-PSGD;
@@ -309,15 +314,19 @@ def control(params: int, iterations: int, as_json: bool) -> None:
         secret.write_text(new_secret())
         secret.chmod(0o600)
         hosts: list[LocalDaemon] = []
+        # The trainer inherits the daemon's environment (not `peerd train`'s): set it before the daemons start.
+        env = {**os.environ, "PEERD_BENCH_PARAMS": str(params), "PEERD_BENCH_ITERATIONS": str(iterations),
+               "PEERD_BENCH_HOSTED": "0" if copy_publish else "1", "PEERD_BENCH_SETTLE": str(settle)}
+        saved = dict(os.environ)
+        os.environ.update(env)
         try:
             for i in range(2):
                 d = LocalDaemon(root / f"h{i}", secret, [hosts[0].address] if hosts else []).start()
                 hosts.append(d)   # before wait_ready: one that never gets ready is stopped too
-                d.wait_ready()
+                d.wait_ready(60)  # a loaded machine starts a daemon slowly
             if not wait_until(lambda: all(len(d.peer_states()) == 1 for d in hosts), 30):
                 raise click.ClickException("the two daemons did not find each other")
             script = Path(__file__).resolve().parent.parent / "peerd" / "train" / "benchcontrol.py"
-            env = {**os.environ, "PEERD_BENCH_PARAMS": str(params), "PEERD_BENCH_ITERATIONS": str(iterations)}
             procs = [subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--script", str(script),
                                                 "--world", "2", "--algo", "d-psgd", "--iterations", str(iterations)),
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -331,6 +340,8 @@ def control(params: int, iterations: int, as_json: bool) -> None:
                 log = next(d.data_dir.glob("trainer-*.log")).read_text()
                 records += [dict(jsonlib.loads(line), host=rank) for line in log.splitlines() if line.startswith("{")]
         finally:
+            os.environ.clear()
+            os.environ.update(saved)
             for d in hosts:
                 d.stop()
     timed = [r for r in records if r["iteration"] > 0]

@@ -136,3 +136,24 @@ def test_frozen_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match="parameter '2.bias' does not require grad"):
         FlatParams([[p for _, p in model.named_parameters()]], [[n for n, _ in model.named_parameters()]])
     assert len(flatten_module(model).layout.entries) == 3     # flatten_module keeps trainable ones
+
+
+def test_rehome_moves_parameters_into_a_given_buffer():
+    model = _net()
+    flat = flatten_module(model)
+    x = torch.randn(5, 3)
+    out_before = model(x).detach()
+    before = flat.buffer.clone()
+    home = torch.zeros_like(flat.buffer)
+    flat.rehome(home)
+    assert flat.buffer is home and torch.equal(home, before)
+    for p in model.parameters():
+        assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
+    assert torch.equal(model(x), out_before)
+    model(x).square().sum().backward()          # grads still land in the flat grad buffer
+    assert flat.grads_in_place() and flat.grad_buffer.any()
+    with torch.no_grad():
+        flat.views(home)[0].add_(1.0)            # writing the home moves the model
+    assert not torch.equal(model(x), out_before)
+    with pytest.raises(ValueError, match="rehome"):
+        flat.rehome(torch.zeros(3, dtype=torch.uint8))

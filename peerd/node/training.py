@@ -479,6 +479,8 @@ class TrainingRun:
         self._back_in_run(rec.sender, rec.iteration)
         old = self.received.pop((src, rec.iteration), None)
         if old is not None:
+            if self.acc is not None:   # out of the running sum with the values that went in
+                self.acc.withdraw((src, rec.iteration), old.buffer)
             old.release()  # a duplicate: keep the newest copy
         self.received[(src, rec.iteration)] = rec
         if rec.kind.startswith("carry"):

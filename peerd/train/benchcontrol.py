@@ -1,5 +1,8 @@
 """The trainer side of `peerd bench control`: cost of Publish and Mix through the daemon for a
-model of a given size, when the neighbours' updates are already there.
+model of a given size, when the neighbours' updates are already there. The parameters live in
+the daemon's slot 0 as the DecentralizedOptimizer keeps them (PEERD_BENCH_HOSTED=0: in a private
+buffer, copied into a slot at every publish); the mix is copied into them, standing for the update
+x_{k+1} = mix_k - lr*d, which reads the mix and writes the parameters in one pass as well.
 
 Run by the daemon (`peerd train --script`); prints one JSON line per timed iteration.
 """
@@ -28,6 +31,8 @@ def main() -> int:
     model = nn.Linear(width, width, bias=False)
     flat = flatten_module(model)
     start = exchange.attach(flat.layout)
+    if os.environ.get("PEERD_BENCH_HOSTED", "1") == "1":
+        flat.rehome(exchange.param_home(flat.device))   # as DecentralizedOptimizer does: publish copies nothing
     x = torch.randn(64, width)
     for k in range(start, start + iterations):
         t0 = time.perf_counter()

@@ -7,6 +7,10 @@
 Tensors never travel over protobuf here. The daemon hands out two shared-memory slot files at
 attach; publish(k) copies x_k into slot k % 2 and tells the daemon, which snapshots it before it
 answers; mix(k) asks the daemon to write the mix into the other slot and returns a view of it.
+A CPU trainer's parameters can live in slot 0 itself (``param_home``, which the
+DecentralizedOptimizer takes): publish is then the RPC alone, every mix goes to slot 1, and the
+update x_{k+1} = mix_k - lr*d reads slot 1 and writes slot 0 directly. Slot 0 is not written
+between Publish(k) and the reply to Mix(k): the daemon snapshots it before it answers a mix.
 
 Directives (`peerd ctl pause|resume|checkpoint|stop|skip-to`) arrive on a stream that a
 background thread reads from attach on; the training loop takes them at an iteration boundary
@@ -55,6 +59,7 @@ class DaemonExchange:
         self._metric: cpb.Metric | None = None   # rides on the next Mix
         self._publishing = None                  # the Publish call in flight (its reply is read at mix)
         self._stream = None
+        self._hosted = False                     # the parameters live in slot 0 (param_home)
 
         self.initial: torch.Tensor | None = None
         self.join_note = ""
@@ -103,9 +108,20 @@ class DaemonExchange:
         except queue.Empty:
             return None
 
+    def param_home(self, device: torch.device) -> torch.Tensor | None:
+        """Slot 0, for the trainer's flat parameters to live in (CPU only; None elsewhere)."""
+        if torch.device(device).type != "cpu" or not self._slots:
+            return None
+        self._hosted = True
+        return self._slots[0]
+
+    def _slot_of(self, iteration: int) -> int:
+        return 0 if self._hosted else iteration % 2
+
     def publish(self, iteration: int, buf: torch.Tensor) -> None:
-        slot = iteration % 2
-        self._slots[slot].copy_(buf)
+        slot = self._slot_of(iteration)
+        if buf.data_ptr() != self._slots[slot].data_ptr():
+            self._slots[slot].copy_(buf)
         self._await_publish()
         # The reply is not waited for here: the daemon answers at once but then snapshots the slot
         # (and may compute the mix) on the same loop; the trainer reads the reply at mix time.
@@ -118,7 +134,7 @@ class DaemonExchange:
             call.result()   # raises the daemon's refusal, if any
 
     def mix(self, iteration: int) -> MixResult:
-        slot = (iteration + 1) % 2
+        slot = 1 - self._slot_of(iteration)
         self._await_publish()   # Mix(k) must reach the daemon after Publish(k)
         metric, self._metric = self._metric, None
         reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot,

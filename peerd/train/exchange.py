@@ -29,7 +29,9 @@ The daemon-backed implementation (control.proto) maps one to one:
   ``world`` become the attributes.
 - publish: copy ``buf`` into the next of the double-buffered shared-memory slots (the one memcpy;
   from a GPU, a device-to-host copy), then ``Publish(k, slot, seq)`` without waiting for the reply
-  longer than needed to know it was accepted.
+  longer than needed to know it was accepted. An optional ``param_home(device)`` offers a slot for
+  the caller's parameters to live in (the DecentralizedOptimizer takes it on CPU): publishing that
+  buffer copies nothing, and every mix goes to the other slot.
 - mix: ``Mix(k, slot)``; on the reply, ``params`` is a uint8 tensor over that slot's memory
   (``torch.frombuffer``), ``skip_to`` the reply's skip_to when non-zero, ``used`` the number of
   entries. The optimizer copies out of the slot before the next publish can reuse it.

@@ -248,6 +248,20 @@ class FlatParams:
         if not self.grads_in_place():
             self.repair_grads()
 
+    def rehome(self, buf: torch.Tensor) -> None:
+        """Move the parameters into ``buf`` (same size, same device): copy them there and re-point
+        every parameter at it, so that ``buffer`` is ``buf`` from now on (e.g. a shared-memory
+        slot, which makes publishing a buffer the exchange already holds)."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.layout.total_bytes \
+                or buf.device != self.device:
+            raise ValueError(f"rehome: expected a 1-D uint8 buffer of {self.layout.total_bytes} bytes on "
+                             f"{self.device}, got {buf.dtype} {list(buf.shape)} on {buf.device}")
+        with torch.no_grad():
+            buf.copy_(self.buffer)
+            for p, e in zip(self.params, self.layout.entries):
+                p.data = _view(buf, e.offset, e.numel, p.dtype).view(p.shape)
+        self.buffer = buf
+
     def load(self, buf: torch.Tensor) -> None:
         """Overwrite the parameters with a buffer of the same layout."""
         with torch.no_grad():

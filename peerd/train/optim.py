@@ -96,6 +96,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.layout = self.flat.layout
         self.exchange = exchange
         self.iteration = exchange.attach(self.layout)
+        home = getattr(exchange, "param_home", None)
+        if home is not None and (buf := home(self.flat.device)) is not None:
+            self.flat.rehome(buf)     # x lives where the exchange reads it: publish copies nothing
         initial = getattr(exchange, "initial", None)
         if initial is not None:       # joining a running swarm: start from the neighbours' parameters
             self.flat.buffer.copy_(initial)
