@@ -191,3 +191,24 @@ def test_lab_up_foreground_takes_the_lab_down_on_sigint_and_sigterm(tmp_path):
             if lab_dir.joinpath("state.json").exists():
                 subprocess.run(peerd_cmd("lab", "down", "--dir", str(lab_dir)), timeout=120)
     print(f"\npeerd lab up --foreground: down {', '.join(f'{t:.2f}' for t in times)} s after the signal")
+
+
+def test_a_restarted_daemon_removes_slot_files_its_killed_incarnation_left(daemons):  # noqa: F811
+    """SIGKILL leaves no chance to clean up: the next start of the same data dir (same node id,
+    held under the data dir's exclusive lock) removes that node's slot files, and no one else's."""
+    d = daemons("k")
+    node = d.node_id
+    d.kill()
+    mine = [Path("/dev/shm") / f"peerd-{node}-deadsession-{i}" for i in range(2)]
+    other = Path("/dev/shm") / f"peerd-{node[::-1]}x-deadsession-0"   # another node's: kept
+    try:
+        for p in [*mine, other]:
+            p.write_bytes(b"\0" * 64)
+        d.start()
+        d.wait_ready()
+        assert d.node_id == node
+        assert not any(p.exists() for p in mine), "stale slot files of this node were kept"
+        assert other.exists(), "another node's slot file was removed"
+    finally:
+        for p in [*mine, other]:
+            p.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ from peerd.net.membership import Member, Membership, State, Timing, Transition
 from peerd.node import capabilities, mdns_service
 from peerd.node.control_service import ControlService
 from peerd.node.convert import caps_from_pb, caps_to_pb, member_to_pb, rows_from_pb, split_host_port
-from peerd.node.identity import DataDir, atomic_write
+from peerd.node.identity import DataDir, atomic_write, slot_dir
 from peerd.node.offences import PeerOffences
 from peerd.node.links_service import LinkService
 from peerd.node.peer_service import PeerService, hello_refusal
@@ -92,6 +92,7 @@ class Daemon:
         self.data.open()
         self.node_id = self.data.node_id()
         self.incarnation = self.data.next_incarnation()
+        self._remove_stale_slots()
         self.auth = Authenticator(self._secret, self.node_id, cfg.auth_max_skew, cfg.auth_replay_cache)
         self.gate = RefusalGate(cfg.auth_refusal_burst, cfg.auth_refusal_rate, cfg.auth_max_sources,
                                 cfg.auth_log_every)
@@ -219,6 +220,16 @@ class Daemon:
             self._events = None
         self.data.close()
         log.info("node %s stopped", self.node_id)
+
+    def _remove_stale_slots(self) -> None:
+        """Shared-memory slots of this node's earlier incarnations (a daemon killed with SIGKILL
+        cannot remove its own). Safe: the data dir's exclusive lock says no other daemon with this
+        node id runs."""
+        stale = list(slot_dir(self.data.path).glob(f"peerd-{self.node_id}-*"))
+        for p in stale:
+            p.unlink(missing_ok=True)
+        if stale:
+            log.info("removed %d shared-memory slot file(s) left by an earlier run of this node", len(stale))
 
     def _force_stop(self) -> None:
         """What must not outlive us when the orderly shutdown ran out of time: the trainer, its

@@ -77,3 +77,10 @@ class DataDir:
         value = current + 1
         atomic_write(path, f"{value}\n".encode())
         return value
+
+
+def slot_dir(data_dir: Path) -> Path:
+    """Where a run's shared-memory slot files live: /dev/shm where it exists (memory, not disk),
+    else the data dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else data_dir

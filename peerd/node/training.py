@@ -85,6 +85,7 @@ from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
 from peerd.net.links import Ewma
 from peerd.node import joining
 from peerd.node.autoplan import Replanner
+from peerd.node.identity import slot_dir
 from peerd.node.mixacc import MixAccumulator, summable
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
@@ -118,12 +119,6 @@ def wire_layout(layout: Layout) -> tw.Layout:
     if layout.total_bytes > pos:
         specs.append(tw.Spec("pad", "uint8", (layout.total_bytes - pos,)))
     return tw.Layout(tuple(specs))
-
-
-def slot_dir(data_dir: Path) -> Path:
-    """/dev/shm where it exists (memory, not disk), else the data dir."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else data_dir
 
 
 def map_slot(path: Path, nbytes: int, create: bool) -> torch.Tensor:
