@@ -210,6 +210,7 @@ class TrainingRun:
         self.skip_after: dict[int, int] = {}
         self.pending_average: list[tuple[tuple[int, int, float], ...]] = []
         self.queues: dict[int, asyncio.Queue] = {}
+        self.senders: dict[int, asyncio.Task] = {}   # the task draining each queue
         self.timer: asyncio.TimerHandle | None = None
         self.progress = Progress()
         self.changed = asyncio.Event()
@@ -297,6 +298,7 @@ class TrainingRun:
             src = self.nodes.index(node_id)
             if self.absent.get(src) != "finished":
                 self.absent.pop(src, None)   # the failure detector's word supersedes a notice
+            self._reset_sender(src)
             self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
@@ -534,8 +536,29 @@ class TrainingRun:
         q = self.queues.get(dst)
         if q is None:
             q = self.queues[dst] = asyncio.Queue()
-            self._spawn(self._sender(dst, q), f"sender {dst}")
+            self.senders[dst] = self._spawn(self._sender(dst, q), f"sender {dst}")
         return q
+
+    def _reset_sender(self, dst: int) -> None:
+        """The peer is down (dead, left, restarted, flagged): abandon what we were sending it.
+        A push in flight over a cut link waits out its whole transfer deadline (tens of seconds)
+        and each queued one after it would too; anything sent after the peer's return (the
+        greeting of `peer_up` first) must not queue behind them, so the next send starts a fresh
+        queue. Nothing queued is owed to a down peer: on its return it gets our newest update."""
+        task, q = self.senders.pop(dst, None), self.queues.pop(dst, None)
+        if task is not None:
+            task.cancel()            # its `finally` settles the item in flight
+        while q is not None and not q.empty():
+            self._settle(q.get_nowait())
+
+    def _settle(self, item: tuple) -> None:
+        """An item left its queue (sent, failed or abandoned): drop it from the pending counts."""
+        if item[0] == "notice":
+            self.notices_pending -= 1
+        elif item[0] != "grant":
+            self.sending[item[1]] -= 1
+            if self.sending[item[1]] <= 0:
+                del self.sending[item[1]]
 
     async def _sender(self, dst: int, q: asyncio.Queue) -> None:
         node = self.nodes[dst]
@@ -555,12 +578,7 @@ class TrainingRun:
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
             finally:
-                if item[0] == "notice":
-                    self.notices_pending -= 1
-                elif item[0] != "grant":
-                    self.sending[item[1]] -= 1
-                    if self.sending[item[1]] <= 0:
-                        del self.sending[item[1]]
+                self._settle(item)
 
     async def _pull(self, dst: int, carry_k: int, k: int) -> None:
         """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
@@ -995,10 +1013,11 @@ class TrainingRun:
                 self.d.dataplane.set_layout(self.kind(base), None)
         self.done.set()
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def progress_message(self) -> cpb.TrainProgress:
         p = self.progress
