@@ -237,6 +237,7 @@ class TrainingRun:
         self.stop_requested = False
         self.checkpoint_dir = self._checkpoint_dir()
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
+        self.readmitted: dict[int, int] = {}   # re-admitted at this iteration, until its next update
         self.join_note = ""
         self.replanner: Replanner | None = None     # set for `--algo auto`
 
@@ -299,6 +300,7 @@ class TrainingRun:
             if self.absent.get(src) != "finished":
                 self.absent.pop(src, None)   # the failure detector's word supersedes a notice
             self._reset_sender(src)
+            self.readmitted.pop(src, None)
             self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
@@ -426,6 +428,21 @@ class TrainingRun:
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.nodes.index(node_id), max(k, 0)))
 
+    def _check_readmission(self, src: int, rec: Received) -> None:
+        """Re-admit a returning peer at its update's iteration, and check that iteration against
+        the next update: a push cut off by a partition may reach us after the heal (TCP delivers
+        what was in flight once the path is back, though its sender gave up on it), so the first
+        update of a returning peer can be one from before the cut. Re-admitted at that old
+        iteration, Hop's token edge would hold us until the peer "caught up" to where it already
+        is; a jump past it in the next update re-admits the peer where it really is."""
+        if rec.sender in self.returning:
+            self._back_in_run(rec.sender, rec.iteration)
+            self.readmitted[src] = rec.iteration
+        elif (k0 := self.readmitted.pop(src, None)) is not None and rec.iteration > k0 + 1:
+            log.info("peer %s re-admitted at iteration %d by a stale update; it is at %d", rec.sender, k0,
+                     rec.iteration)
+            self.feed(ev.PeerUp(src, rec.iteration))
+
     # --- data arriving from peers -------------------------------------------------------------
     def on_received(self, rec: Received) -> None:
         src = self.nodes.index(rec.sender) if rec.sender in self.nodes else -1
@@ -458,7 +475,7 @@ class TrainingRun:
                 self.feed(ev.UpdateArrived(src, rec.iteration))
             return
         self.progress.newest_seen = max(self.progress.newest_seen, rec.iteration)
-        self._back_in_run(rec.sender, rec.iteration)
+        self._check_readmission(src, rec)
         old = self.received.pop((src, rec.iteration), None)
         if old is not None:
             old.release()  # a duplicate: keep the newest copy
