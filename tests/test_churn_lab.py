@@ -134,10 +134,10 @@ def test_partition_and_heal_on_two_sites(make_lab):
 # wall time, so the run lasts ITERATIONS x STEP_TIME s however loaded the machine is. A uniform LAN
 # and small link probes: the chaos is in the hosts, not in probe traffic (a restarted daemon probes
 # every link afresh).
-KILLS, KILL_EVERY, DOWN_FOR, MAX_DOWN = 20, 3.0, 0.5, 3
-ITERATIONS, STEP_TIME = 500, 0.5
+KILLS, KILL_EVERY, DOWN_FOR, MAX_DOWN = 20, 2.0, 0.5, 4
+ITERATIONS, STEP_TIME = 600, 0.5
 CHAOS_ARGS = ["--task", "digits", "--world", "6", "--algo", "hop", "--iterations", str(ITERATIONS),
-              "--eval-every", "250"]
+              "--eval-every", "300"]
 SMALL_PROBES = ("--link-probe-max-bytes", str(1 << 20))
 
 

@@ -10,13 +10,18 @@ Design choices:
 - Killing a host SIGKILLs every process in its namespace (daemon, trainer, `peerd train`): a
   machine gone at once, no goodbye. A restart starts the daemon again with its recorded command
   line and data dir (same node id, same checkpoints), as a rebooted machine would.
-- Chaos kills one host at a time and restarts it `down_for` seconds later (at least the failure
-  detector's dead_after, so its neighbours see it gone), then starts `peerd train` there again with
-  the run's arguments: the run's world stays the same set of hosts, so the host rejoins the same
-  run (same tag) and starts from a neighbour's parameters. Stalls are measured per live host from
-  its own progress records (wall time between iteration advances); a host's stall while it is down
-  or rejoining does not count, its re-admission time does (daemon restart -> first progress record
-  past its join iteration with a peer in its last mix).
+- Chaos kills a random live host every `kill_every` s and restarts it `down_for` s later, then
+  starts `peerd train` there again with the run's arguments: the run's world stays the same set of
+  hosts, so the host rejoins the same run (same tag) and starts from a neighbour's parameters.
+  Downtimes overlap (up to `max_down` hosts down or rejoining at once; restarts run in parallel,
+  only their spawn holds the lab's lock): a restart costs a daemon, a `peerd train` and a trainer
+  start, tens of seconds on a loaded machine, so one host at a time fits few cycles in a run. A
+  host restarted before its neighbours' failure detector saw it dead is a new incarnation to them,
+  which they treat as a crash and a return. Stalls are measured per live host from its own
+  progress records (their `t`, the daemon's clock: wall time between iteration advances, up to the
+  host's own end of the run); a host's stall while it is down or rejoining does not count, its
+  re-admission time does (daemon restart -> first progress record past its join iteration with a
+  peer in its last mix).
 """
 from __future__ import annotations
 
@@ -322,7 +327,9 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
     for h in lb.hosts:
         recs = [r for st in [*retired[h], streams[h]] for r in st.records]
         recs.sort(key=lambda r: r.get("t", 0))
-        report.stalls[h] = longest_stall(recs, t_start, t_chaos_end, down[h])
+        # Up to its end of the run: a host that finished first is done, not stalled.
+        t_end = min([r["t"] for r in recs if r.get("state") == "done" and "t" in r] + [t_chaos_end])
+        report.stalls[h] = longest_stall(recs, t_start, t_end, down[h])
     if errors:
         raise LabError("chaos: " + "; ".join(errors))
     return report
