@@ -19,6 +19,7 @@ from tests.test_training import start_train
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEAD_AFTER = 2.0          # tests.daemons.FAST
+STEP_TIME = 0.2
 
 
 class Records:
@@ -94,9 +95,10 @@ def swarm(tmp_path):
 def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(swarm):
     ds = swarm(4)
     # Long enough to outlast a restart on a loaded machine (daemon, `peerd train` and trainer start
-    # took 30-90 s on the shared 2-core box): the slowdown stretches wall time, not CPU time.
+    # took 30-90 s on the shared 2-core box): every step is paced to STEP_TIME s of wall time, so
+    # the run lasts at least 1000 x STEP_TIME s however fast the others compute.
     args = ["--task", "digits", "--world", "4", "--iterations", "1000", "--algo", "hop", "--eval-every", "250",
-            "--slowdown", "6"]
+            "--step-time", str(STEP_TIME)]
     runs = [Records(start_train(d, *args)) for d in ds]
     victim = ds[3]
     # Every host trains before the kill (a trainer still starting is not a stall the kill caused).
