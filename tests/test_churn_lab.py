@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(1200),
 # Fast failure detection: a cut or a crash is seen within DEAD_AFTER.
 DEAD_AFTER = 2.0
 JOINED_MARGIN = 1.5   # consensus distance after the heal vs the joined swarm's before the cut
+HEALED_FRACTION = 0.1  # ... and vs its value at the heal (the joined value reads high when the hosts'
+                       # first checkpoints are of different iterations: a trainer that started late)
 FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", str(DEAD_AFTER),
         "--rpc-timeout", "1.0", "--connect-retry-max", "1.0", "--link-min-probe-gap", "1")
 
@@ -83,7 +85,8 @@ def test_partition_and_heal_on_two_sites(make_lab):
     """Cut the two sites apart mid-run: each side goes on training (no host stalls past the failure
     detection bound + slack); heal: the sides re-admit each other and their models converge (the
     consensus distance, which the cut lets grow, returns to the joined swarm's level: at most
-    JOINED_MARGIN x its value just before the cut; and every host reaches the accuracy bar)."""
+    JOINED_MARGIN x its value just before the cut and HEALED_FRACTION x its value at the heal; and
+    every host reaches the accuracy bar)."""
     cfg = Config()
     lb = make_lab(profile.load("two-sites"))
     wait(lambda: all(alive_peers(lb, h) == 3 for h in lb.hosts), 60, "a full swarm")
@@ -122,7 +125,7 @@ def test_partition_and_heal_on_two_sites(make_lab):
         assert r[-1]["state"] == "done" and r[-1]["metric"] >= 0.8, (h, r[-1])
     after = distance(lb, task)
     print(f"consensus distance: joined {joined:.3f}, at the heal {apart:.3f}, after the run {after:.3f}")
-    assert after <= JOINED_MARGIN * joined, (joined, apart, after)
+    assert after <= JOINED_MARGIN * joined and after <= HEALED_FRACTION * apart, (joined, apart, after)
 
 
 
