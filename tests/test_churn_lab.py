@@ -144,10 +144,10 @@ CHAOS_ARGS = ["--task", "digits", "--world", "6", "--algo", "hop", "--iterations
 SMALL_PROBES = ("--link-probe-max-bytes", str(1 << 20))
 
 
-@pytest.mark.xfail(reason="not yet on the shared 2-core box (load 30-40): 16 of 20 kills fit the paced run "
-                          "(re-admission 39-102 s after a kill) and a host that just joined waits "
-                          "train_silent_peer_timeout (10 s) on a neighbour whose own trainer is still starting; "
-                          "accuracy matched the calm run (0.983-0.984 vs 0.978-0.979)", strict=False)
+@pytest.mark.xfail(reason="stall bound not met yet: a host that just joined waits train_silent_peer_timeout on "
+                          "a neighbour whose own trainer is still starting (longest stall 7.7 s at load 3-9 with 20 "
+                          "kills, re-admission <= 25 s, accuracy 0.980 vs calm 0.979; at load 30-40 only 16 kills "
+                          "fit, re-admission up to 102 s, stall 10.5 s)", strict=False)
 def test_chaos_twenty_kill_restart_cycles_over_six_hosts(make_lab):
     """Every live host keeps training (no stall past dead_after + churn_stall_slack), every killed
     host is back, training and mixing, within churn_readmit_bound of its restart, and the run ends
