@@ -53,14 +53,21 @@ def heal(lab_dir: str | None, config_file: str | None) -> None:
 @click.option("--algo", default="hop", show_default=True)
 @click.option("--iterations", type=int, default=300, show_default=True)
 @click.option("--eval-every", type=int, default=100, show_default=True)
+@click.option("--step-time", type=float, default=None,
+              help="pad each training step to this many seconds (the chaos run only): the run lasts "
+                   "iterations x step-time however loaded the machine is")
+@click.option("--max-kills", type=int, default=None, help="end the chaos after this many kills")
+@click.option("--max-down", type=int, default=None,
+              help="most hosts down or rejoining at once (default: a third of the hosts)")
 @_config_opt
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def chaos(lab_dir: str | None, duration: float, kill_every: float, down_for: float | None, cut_links: bool,
           cut_for: float, calm: bool, seed: int, task: str, algo: str, iterations: int, eval_every: int,
-          config_file: str | None, as_json: bool) -> None:
+          step_time: float | None, max_kills: int | None, max_down: int | None, config_file: str | None,
+          as_json: bool) -> None:
     """Train on every lab host while killing and restarting random hosts (and cutting links); report
     the longest stall of any live host, each restarted host's re-admission time, and the final
-    accuracy against a calm run."""
+    accuracy against a calm run (the same training, unpaced)."""
     cfg = _cfg(config_file)
     d = _dir(cfg, lab_dir)
     try:
@@ -71,9 +78,11 @@ def chaos(lab_dir: str | None, duration: float, kill_every: float, down_for: flo
         if calm:
             runs = churn.train_all(lb, [*args, "--seed", str(seed + 1)], timeout=600)
             calm_acc = {h: round(float(r[-1].get("metric", 0.0)), 4) if r else 0.0 for h, r in runs.items()}
-        report = churn.chaos(d, [*args, "--seed", str(seed)], duration=duration, kill_every=kill_every,
+        pace = ["--step-time", str(step_time)] if step_time else []
+        report = churn.chaos(d, [*args, "--seed", str(seed), *pace], duration=duration, kill_every=kill_every,
                              down_for=cfg.chaos_down_for if down_for is None else down_for, cut_links=cut_links,
-                             cut_for=cut_for, seed=seed, cfg=cfg, log=lambda m: click.echo(m, err=True))
+                             cut_for=cut_for, seed=seed, max_kills=max_kills, max_down=max_down, cfg=cfg,
+                             log=lambda m: click.echo(m, err=True))
         report.calm_accuracy = calm_acc
     except LabError as e:
         raise click.ClickException(str(e)) from None
@@ -89,7 +98,8 @@ def chaos(lab_dir: str | None, duration: float, kill_every: float, down_for: flo
                    + (f"  (calm {calm_acc[h]:.4f})" if h in calm_acc else "") + f"  {report.states.get(h, '')}")
     for k in report.kills:
         click.echo(f"  killed {k['host']} at {k['killed_at']:.1f} s, restarted at {k['restarted_at']:.1f} s, "
-                   f"re-admitted after {k['readmitted_s'] if k['readmitted_s'] is not None else 'NEVER'} s")
+                   f"re-admitted after {k['readmitted_s'] if k['readmitted_s'] is not None else 'NEVER'} s"
+                   + (f" ({k['back_after_kill_s']} s after the kill)" if "back_after_kill_s" in k else ""))
     if rec["not_readmitted"]:
         raise SystemExit(1)
 

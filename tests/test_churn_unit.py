@@ -5,7 +5,7 @@ from peerd.lab.churn import ChaosReport, _note_readmissions, longest_stall
 
 
 def rec(t, k, mixed=1, state="training", message=""):
-    return {"wall_time": t, "iteration": k, "state": state, "peers_in_last_mix": mixed, "message": message}
+    return {"t": t, "iteration": k, "state": state, "peers_in_last_mix": mixed, "message": message}
 
 
 def test_longest_stall_counts_gaps_between_advances_and_skips_excluded_time():
@@ -19,12 +19,12 @@ def test_readmission_needs_progress_past_the_join_and_a_mix():
     class S:
         records = [rec(10.0, 0, 0), rec(11.0, 120, 0, message="started from x's parameters of iteration 120"),
                    rec(11.5, 121, 0)]
-    report = ChaosReport(10.0, kills=[{"host": "h1", "_t": 9.0}])
+    report = ChaosReport(10.0, kills=[{"host": "h1", "_t": 9.0, "_kill": 4.0}])
     down, away = {"h1": [(5.0, float("inf"))]}, {"h1"}
     _note_readmissions(report, {"h1": S}, down, away)
     assert "readmitted_s" not in report.kills[0] and away == {"h1"}   # advanced, but mixed with nobody
     S.records.append(rec(12.0, 122, 1))
     _note_readmissions(report, {"h1": S}, down, away)
     k = report.kills[0]
-    assert k["readmitted_s"] == 3.0 and k["joined_at_iteration"] == 120 and "iteration 120" in k["join_note"]
+    assert k["readmitted_s"] == 3.0 and k["back_after_kill_s"] == 8.0 and k["joined_at_iteration"] == 120 and "iteration 120" in k["join_note"]
     assert away == set() and down["h1"] == [(5.0, 12.0)]

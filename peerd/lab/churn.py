@@ -10,13 +10,18 @@ Design choices:
 - Killing a host SIGKILLs every process in its namespace (daemon, trainer, `peerd train`): a
   machine gone at once, no goodbye. A restart starts the daemon again with its recorded command
   line and data dir (same node id, same checkpoints), as a rebooted machine would.
-- Chaos kills one host at a time and restarts it `down_for` seconds later (at least the failure
-  detector's dead_after, so its neighbours see it gone), then starts `peerd train` there again with
-  the run's arguments: the run's world stays the same set of hosts, so the host rejoins the same
-  run (same tag) and starts from a neighbour's parameters. Stalls are measured per live host from
-  its own progress records (wall time between iteration advances); a host's stall while it is down
-  or rejoining does not count, its re-admission time does (daemon restart -> first progress record
-  past its join iteration with a peer in its last mix).
+- Chaos kills a random live host every `kill_every` s and restarts it `down_for` s later, then
+  starts `peerd train` there again with the run's arguments: the run's world stays the same set of
+  hosts, so the host rejoins the same run (same tag) and starts from a neighbour's parameters.
+  Downtimes overlap (up to `max_down` hosts down or rejoining at once; restarts run in parallel,
+  only their spawn holds the lab's lock): a restart costs a daemon, a `peerd train` and a trainer
+  start, tens of seconds on a loaded machine, so one host at a time fits few cycles in a run. A
+  host restarted before its neighbours' failure detector saw it dead is a new incarnation to them,
+  which they treat as a crash and a return. Stalls are measured per live host from its own
+  progress records (their `t`, the daemon's clock: wall time between iteration advances, up to the
+  host's own end of the run); a host's stall while it is down or rejoining does not count, its
+  re-admission time does (daemon restart -> first progress record past its join iteration with a
+  peer in its last mix).
 """
 from __future__ import annotations
 
@@ -103,19 +108,33 @@ def kill_host(lab_dir: str | Path, host: str, cfg: Config | None = None) -> list
 def restart_host(lab_dir: str | Path, host: str, cfg: Config | None = None) -> int:
     """Start `host`'s daemon again (its recorded command line, its data dir); returns its pid once
     its control socket is there."""
-    cfg = cfg or Config()
+    proc = spawn_daemon(lab_dir, host)
+    await_daemon(lab_dir, host, proc, cfg)
+    return proc.pid
+
+
+def spawn_daemon(lab_dir: str | Path, host: str) -> subprocess.Popen:
+    """The first half of `restart_host`: start the daemon and record it in the lab's state (the
+    part that holds the lab's lock), without waiting for it."""
     lab_dir = Path(lab_dir)
     state = lab_mod.read_state(lab_dir)
     h = state["hosts"].get(host)
     if h is None or "argv" not in h:
         raise LabError(f"host {host!r}: no recorded daemon command line in lab {state['id']}")
-    sock = Path(h["data_dir"]) / "peerd.sock"
-    sock.unlink(missing_ok=True)   # a SIGKILLed daemon's socket: readiness is the new one
-    log = lab_dir / host / "daemon.log"
+    (Path(h["data_dir"]) / "peerd.sock").unlink(missing_ok=True)   # a SIGKILLed daemon's: readiness is the new one
     proc = netns.spawn(h["ns"], h["argv"], env=lab_mod._child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}),
-                       log=log)
+                       log=lab_dir / host / "daemon.log")
     with lab_mod._locked(lab_dir):
         lab_mod._record(lab_dir, lab_mod.read_state(lab_dir), f"daemon:{host}", proc.pid)
+    return proc
+
+
+def await_daemon(lab_dir: str | Path, host: str, proc: subprocess.Popen, cfg: Config | None = None) -> None:
+    """The second half of `restart_host`: wait (at most lab_ready_timeout) for its control socket."""
+    cfg = cfg or Config()
+    lab_dir = Path(lab_dir)
+    sock = Path(lab_mod.read_state(lab_dir)["hosts"][host]["data_dir"]) / "peerd.sock"
+    log = lab_dir / host / "daemon.log"
     deadline = time.monotonic() + cfg.lab_ready_timeout
     while not sock.exists():
         if proc.poll() is not None:
@@ -123,7 +142,6 @@ def restart_host(lab_dir: str | Path, host: str, cfg: Config | None = None) -> i
         if time.monotonic() > deadline:
             raise LabError(f"daemon of {host} not ready {cfg.lab_ready_timeout:g} s after restart; log {log}")
         time.sleep(0.05)
-    return proc.pid
 
 
 # --- training runs in the lab -------------------------------------------------------------------
@@ -168,7 +186,7 @@ def longest_stall(records: list[dict], t0: float, t1: float, exclude: list[tuple
     the intervals in `exclude` (the host down or rejoining)."""
     points, last_k, worst, last_t = [], -1, 0.0, t0
     for r in records:
-        t = r.get("wall_time", 0)
+        t = r.get("t", 0)
         if t0 <= t <= t1 and r.get("iteration", 0) > last_k:
             last_k = r["iteration"]
             points.append(t)
@@ -239,16 +257,19 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
 
     def bring_back(host: str, entry: dict) -> None:
         time.sleep(down_for)
+        t_restart = time.time()
         try:
-            with state_lock:
-                restart_host(lab_dir, host, cfg)
+            with state_lock:     # only the spawn: restarts of several hosts overlap
+                proc = spawn_daemon(lab_dir, host)
+            await_daemon(lab_dir, host, proc, cfg)
         except LabError as e:
             errors.append(str(e))
             return
-        entry["_t"] = time.time()
-        entry["restarted_at"] = round(entry["_t"] - t_start, 2)
+        entry["restarted_at"] = round(t_restart - t_start, 2)
+        entry["daemon_ready_s"] = round(time.time() - t_restart, 2)
         retired[host].append(streams[host])
         streams[host] = TrainStream(lb, host, train_args)
+        entry["_t"] = t_restart   # last: re-admission is read from the new stream only
 
     threads = []
     end = time.monotonic() + duration
@@ -279,7 +300,7 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
             streams[host].finish(5)
             away.add(host)
             down[host].append((t_kill, float("inf")))
-            entry = {"host": host, "killed_at": round(t_kill - t_start, 2)}
+            entry = {"host": host, "killed_at": round(t_kill - t_start, 2), "_kill": t_kill}
             report.kills.append(entry)
             th = threading.Thread(target=bring_back, args=(host, entry), daemon=True)
             th.start()
@@ -301,11 +322,14 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
         report.accuracy[h] = round(float(last.get("metric", 0.0)), 4)
     for k in report.kills:
         k.pop("_t", None)
+        k.pop("_kill", None)
         k.setdefault("readmitted_s", None)
     for h in lb.hosts:
         recs = [r for st in [*retired[h], streams[h]] for r in st.records]
-        recs.sort(key=lambda r: r.get("wall_time", 0))
-        report.stalls[h] = longest_stall(recs, t_start, t_chaos_end, down[h])
+        recs.sort(key=lambda r: r.get("t", 0))
+        # Up to its end of the run: a host that finished first is done, not stalled.
+        t_end = min([r["t"] for r in recs if r.get("state") == "done" and "t" in r] + [t_chaos_end])
+        report.stalls[h] = longest_stall(recs, t_start, t_end, down[h])
     if errors:
         raise LabError("chaos: " + "; ".join(errors))
     return report
@@ -324,8 +348,9 @@ def _note_readmissions(report: ChaosReport, streams: dict[str, TrainStream],
         joined = recs[0]["iteration"] if recs else None
         back = next((r for r in recs if r["iteration"] > joined and r.get("peers_in_last_mix", 0) >= 1), None)
         if back is not None:
-            t = back["wall_time"]
+            t = back["t"]
             k["readmitted_s"] = round(t - k["_t"], 2)
+            k["back_after_kill_s"] = round(t - k["_kill"], 2)
             k["joined_at_iteration"] = joined
             k["join_note"] = next((r.get("message", "") for r in st.records if "from" in r.get("message", "")), "")
             a, _ = down[k["host"]][-1]

@@ -278,6 +278,20 @@ class Daemon:
             self._channels[address] = channel
         return channel
 
+    def _drop_channel(self, address: str, unless_ready: bool = False) -> None:
+        """Forget our channel to `address` (the next call dials afresh) and close it, failing the
+        calls still on it. A cut link leaves its TCP connection open but dead: every call on it
+        hangs until its own deadline, until keepalive (keepalive_interval + keepalive_timeout)
+        gives up on it; and a channel whose connection attempts failed during an outage waits out
+        gRPC's reconnect back-off (up to minutes) after the outage. A peer found dead, or back,
+        is dialled on a fresh connection instead."""
+        channel = self._channels.get(address)
+        if channel is None or (unless_ready and
+                               channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY):
+            return
+        del self._channels[address]
+        self._spawn(channel.close(), f"close channel {address}")
+
     def _event(self, kind: str, **fields) -> None:
         if self._events is not None:
             self._events.write(json.dumps({"t": time.time(), "node": self.node_id, "event": kind, **fields}) + "\n")
@@ -294,6 +308,10 @@ class Daemon:
         log.log(level, "peer %s%s: %s -> %s%s", tr.node_id, where, old, new, f" ({how})" if how else "")
         self._event("peer", peer=tr.node_id, old=old, new=new, how=how)
         self.links.on_state(tr.node_id, tr.new)
+        if m is not None and tr.new is State.DEAD:
+            self._drop_channel(m.address)
+        elif m is not None and tr.new is State.ALIVE and tr.old in (State.DEAD, State.LEFT):
+            self._drop_channel(m.address, unless_ready=True)
         if self.training is not None:
             if tr.new in (State.DEAD, State.LEFT, None):
                 self.training.peer_down(tr.node_id)

@@ -217,6 +217,7 @@ class TrainingRun:
         self.skip_after: dict[int, int] = {}
         self.pending_average: list[tuple[tuple[int, int, float], ...]] = []
         self.queues: dict[int, asyncio.Queue] = {}
+        self.senders: dict[int, asyncio.Task] = {}   # the task draining each queue
         self.timer: asyncio.TimerHandle | None = None
         self.progress = Progress()
         self.changed = asyncio.Event()
@@ -244,6 +245,7 @@ class TrainingRun:
         self.stop_requested = False
         self.checkpoint_dir = self._checkpoint_dir()
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
+        self.readmitted: dict[int, int] = {}   # re-admitted at this iteration, until its next update
         self.join_note = ""
         self.replanner: Replanner | None = None     # set for `--algo auto`
         for r, node in enumerate(self.nodes):
@@ -312,6 +314,8 @@ class TrainingRun:
             src = self.nodes.index(node_id)
             if self.absent.get(src) != "finished":
                 self.absent.pop(src, None)   # the failure detector's word supersedes a notice
+            self._reset_sender(src)
+            self.readmitted.pop(src, None)
             self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
@@ -439,6 +443,21 @@ class TrainingRun:
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.nodes.index(node_id), max(k, 0)))
 
+    def _check_readmission(self, src: int, rec: Received) -> None:
+        """Re-admit a returning peer at its update's iteration, and check that iteration against
+        the next update: a push cut off by a partition may reach us after the heal (TCP delivers
+        what was in flight once the path is back, though its sender gave up on it), so the first
+        update of a returning peer can be one from before the cut. Re-admitted at that old
+        iteration, Hop's token edge would hold us until the peer "caught up" to where it already
+        is; a jump past it in the next update re-admits the peer where it really is."""
+        if rec.sender in self.returning:
+            self._back_in_run(rec.sender, rec.iteration)
+            self.readmitted[src] = rec.iteration
+        elif (k0 := self.readmitted.pop(src, None)) is not None and rec.iteration > k0 + 1:
+            log.info("peer %s re-admitted at iteration %d by a stale update; it is at %d", rec.sender, k0,
+                     rec.iteration)
+            self.feed(ev.PeerUp(src, rec.iteration))
+
     # --- data arriving from peers -------------------------------------------------------------
     def on_received(self, rec: Received) -> None:
         src = self.nodes.index(rec.sender) if rec.sender in self.nodes else -1
@@ -471,7 +490,7 @@ class TrainingRun:
                 self.feed(ev.UpdateArrived(src, rec.iteration))
             return
         self.progress.newest_seen = max(self.progress.newest_seen, rec.iteration)
-        self._back_in_run(rec.sender, rec.iteration)
+        self._check_readmission(src, rec)
         old = self.received.pop((src, rec.iteration), None)
         if old is not None:
             if self.acc is not None:   # out of the running sum with the values that went in
@@ -551,8 +570,29 @@ class TrainingRun:
         q = self.queues.get(dst)
         if q is None:
             q = self.queues[dst] = asyncio.Queue()
-            self._spawn(self._sender(dst, q), f"sender {dst}")
+            self.senders[dst] = self._spawn(self._sender(dst, q), f"sender {dst}")
         return q
+
+    def _reset_sender(self, dst: int) -> None:
+        """The peer is down (dead, left, restarted, flagged): abandon what we were sending it.
+        A push in flight over a cut link waits out its whole transfer deadline (tens of seconds)
+        and each queued one after it would too; anything sent after the peer's return (the
+        greeting of `peer_up` first) must not queue behind them, so the next send starts a fresh
+        queue. Nothing queued is owed to a down peer: on its return it gets our newest update."""
+        task, q = self.senders.pop(dst, None), self.queues.pop(dst, None)
+        if task is not None:
+            task.cancel()            # its `finally` settles the item in flight
+        while q is not None and not q.empty():
+            self._settle(q.get_nowait())
+
+    def _settle(self, item: tuple) -> None:
+        """An item left its queue (sent, failed or abandoned): drop it from the pending counts."""
+        if item[0] == "notice":
+            self.notices_pending -= 1
+        elif item[0] != "grant":
+            self.sending[item[1]] -= 1
+            if self.sending[item[1]] <= 0:
+                del self.sending[item[1]]
 
     async def _sender(self, dst: int, q: asyncio.Queue) -> None:
         while True:
@@ -572,12 +612,7 @@ class TrainingRun:
             except (TransferError, grpc.aio.AioRpcError) as e:
                 log.info("send to %s failed: %s", node, e)
             finally:
-                if item[0] == "notice":
-                    self.notices_pending -= 1
-                elif item[0] != "grant":
-                    self.sending[item[1]] -= 1
-                    if self.sending[item[1]] <= 0:
-                        del self.sending[item[1]]
+                self._settle(item)
 
     async def _pull(self, dst: int, carry_k: int, k: int) -> None:
         """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
@@ -1048,10 +1083,11 @@ class TrainingRun:
                 self.d.dataplane.set_layout(self.kind(base), None)
         self.done.set()
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def progress_message(self) -> cpb.TrainProgress:
         p = self.progress
