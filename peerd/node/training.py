@@ -712,6 +712,12 @@ class TrainingRun:
         else:
             return reply                     # nobody has parameters yet: a calm start
         self.join_note = reply.join_note = note
+        # Members with nothing published in this run (their trainer is starting too: several hosts
+        # restarted together) are absent until their first update, not waited on for
+        # train_silent_peer_timeout at our first mixes.
+        for i, k in (await self._member_iterations()).items():
+            if k < 0:
+                self._set_absent(i, "restarting")
         self.progress.message = note
         log.info("join: %s", note)
         self.changed.set()
@@ -761,9 +767,9 @@ class TrainingRun:
         a late joiner trains on the shard of its rank mod world."""
         return self.rank % self.spec.world, self.spec.world
 
-    async def _resume_point(self) -> int:
-        """The lowest iteration of the live neighbours (ask them, bounded by rpc_timeout); they
-        are re-synchronised as PeerUp at our first publish."""
+    async def _member_iterations(self) -> dict[int, int]:
+        """Every other member's iteration in this run, asked with a RESUMING notice (bounded by
+        rpc_timeout); -1 where its trainer has published nothing in this run, or it did not answer."""
         async def ask(i: int) -> tuple[int, int]:
             m = self.d.membership.get(self.nodes[i])
             if m is None or i in self.policy.dead:
@@ -772,10 +778,14 @@ class TrainingRun:
                 return i, await self.d.notice_trainer(m.address, self.tag, pb.TrainerNotice.STATE_RESUMING,
                                                       self.policy.k)
             except grpc.aio.AioRpcError as e:
-                log.info("resume: %s did not answer: %s", self.nodes[i], e.code().name)
+                log.info("%s did not answer: %s", self.nodes[i], e.code().name)
                 return i, -1
-        replies = await asyncio.gather(*(ask(i) for i in range(self.n) if i != self.rank))
-        self.resync = {i: k for i, k in replies if k >= 0}
+        return dict(await asyncio.gather(*(ask(i) for i in range(self.n) if i != self.rank and self.nodes[i])))
+
+    async def _resume_point(self) -> int:
+        """The lowest iteration of the live neighbours; they are re-synchronised as PeerUp at our
+        first publish."""
+        self.resync = {i: k for i, k in (await self._member_iterations()).items() if k >= 0}
         start = min(self.resync.values(), default=-1)
         log.info("trainer restarted: resuming at iteration %d (own %d, neighbours %s)", max(start, self.policy.k + 1),
                  self.policy.k, self.resync)
