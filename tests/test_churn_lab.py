@@ -138,16 +138,12 @@ def test_partition_and_heal_on_two_sites(make_lab):
 # and small link probes: the chaos is in the hosts, not in probe traffic (a restarted daemon probes
 # every link afresh).
 KILLS, KILL_EVERY, DOWN_FOR, MAX_DOWN = 20, 2.0, 0.5, 4
-ITERATIONS, STEP_TIME = 600, 0.5
+ITERATIONS, STEP_TIME = 450, 0.3
 CHAOS_ARGS = ["--task", "digits", "--world", "6", "--algo", "hop", "--iterations", str(ITERATIONS),
               "--eval-every", "300"]
 SMALL_PROBES = ("--link-probe-max-bytes", str(1 << 20))
 
 
-@pytest.mark.xfail(reason="stall bound not met yet: a host that just joined waits train_silent_peer_timeout on "
-                          "a neighbour whose own trainer is still starting (longest stall 7.7 s at load 3-9 with 20 "
-                          "kills, re-admission <= 25 s, accuracy 0.980 vs calm 0.979; at load 30-40 only 16 kills "
-                          "fit, re-admission up to 102 s, stall 10.5 s)", strict=False)
 def test_chaos_twenty_kill_restart_cycles_over_six_hosts(make_lab):
     """Every live host keeps training (no stall past dead_after + churn_stall_slack), every killed
     host is back, training and mixing, within churn_readmit_bound of its restart, and the run ends
@@ -162,7 +158,7 @@ def test_chaos_twenty_kill_restart_cycles_over_six_hosts(make_lab):
     assert all(r and r[-1]["state"] == "done" for r in calm.values()), {h: r[-1:] for h, r in calm.items()}
     t1 = time.monotonic()
     report = churn.chaos(lb.dir, [*CHAOS_ARGS, "--seed", "0", "--step-time", str(STEP_TIME)],
-                         duration=ITERATIONS * STEP_TIME - 60, kill_every=KILL_EVERY, down_for=DOWN_FOR,
+                         duration=ITERATIONS * STEP_TIME - 40, kill_every=KILL_EVERY, down_for=DOWN_FOR,
                          max_kills=KILLS, max_down=MAX_DOWN, timeout=400, cfg=cfg)
     rec = report.record()
     rec["calm_accuracy"] = calm_acc
