@@ -96,8 +96,8 @@ def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(swarm):
     ds = swarm(4)
     # Long enough to outlast a restart on a loaded machine (daemon, `peerd train` and trainer start
     # took 30-90 s on the shared 2-core box): every step is paced to STEP_TIME s of wall time, so
-    # the run lasts at least 1000 x STEP_TIME s however fast the others compute.
-    args = ["--task", "digits", "--world", "4", "--iterations", "1000", "--algo", "hop", "--eval-every", "250",
+    # the run lasts at least 500 x STEP_TIME s however fast the others compute.
+    args = ["--task", "digits", "--world", "4", "--iterations", "500", "--algo", "hop", "--eval-every", "250",
             "--step-time", str(STEP_TIME)]
     runs = [Records(start_train(d, *args)) for d in ds]
     victim = ds[3]
@@ -130,4 +130,4 @@ def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(swarm):
     for records in out:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8, records[-1]
     # The restarted host computed only the iterations after the join, and mixed with its neighbours.
-    assert back.records[-1]["iteration"] >= 995 and max(r["peers_in_last_mix"] for r in back.records) >= 1
+    assert back.records[-1]["iteration"] >= 495 and max(r["peers_in_last_mix"] for r in back.records) >= 1
