@@ -8,7 +8,8 @@ import pytest
 from peerd.sim.engine import Simulator
 from peerd.sync import registry
 from peerd.sync import topology as T
-from peerd.sync.events import Mix, MixRequested, PeerDown, PeerUp, Published, Send, UpdateArrived
+from peerd.sync.events import (Mix, MixRequested, PeerDown, PeerUp, Published, Send, Skip, TokensArrived,
+                               UpdateArrived)
 from peerd.sync.hop import Hop
 from tests.sync_helpers import random_spec
 
@@ -107,3 +108,88 @@ def test_hop_standard_mode_takes_a_new_neighbours_later_update():
     p.on_event(UpdateArrived(3, 2), 0.2)       # 3 was at iteration 2 when the edge appeared
     mix = next(a for a in p.on_event(MixRequested(0), 0.3) if isinstance(a, Mix))
     assert {(s, k) for s, k, _ in mix.entries} == {(1, 0), (0, 0), (3, 2)}
+
+
+class Swarm:
+    """Hop workers driven by hand, in rounds: each idle worker publishes its next iteration and asks
+    for its mix; messages (updates, tokens) are delivered at once unless a cut separates the two
+    workers. Each worker computes at most one iteration per round (rate[i] rounds per iteration)."""
+
+    def __init__(self, n: int, **mode):
+        self.pol = [Hop(i, T.ring(n), **mode) for i in range(n)]
+        self.next = [0] * n            # the iteration each worker publishes next
+        self.busy = [False] * n        # published, mix not given yet
+        self.cut: set[frozenset] = set()
+        self.jumps: list[tuple[int, int, int]] = []   # (worker, from, to)
+
+    def apart(self, i: int, j: int) -> bool:
+        return frozenset((i, j)) in self.cut
+
+    def act(self, i: int, actions, now: float) -> None:
+        for a in actions:
+            if isinstance(a, Send) and not self.apart(i, a.dst):
+                self.deliver(a.dst, UpdateArrived(i, a.k), now)
+            elif type(a).__name__ == "Grant" and not self.apart(i, a.dst):
+                self.deliver(a.dst, TokensArrived(i, a.n), now)
+            elif isinstance(a, Mix):
+                self.busy[i] = False
+                self.next[i] = a.k + 1
+            elif isinstance(a, Skip):
+                self.jumps.append((i, self.next[i] - 1, a.to))
+                self.next[i] = a.to
+
+    def deliver(self, i: int, event, now: float) -> None:
+        self.act(i, self.pol[i].on_event(event, now), now)
+
+    def round(self, now: float, who) -> None:
+        for i in who:
+            if not self.busy[i]:
+                self.busy[i] = True
+                k = self.next[i]
+                self.act(i, self.pol[i].on_event(Published(k), now), now)
+                self.act(i, self.pol[i].on_event(MixRequested(k), now), now)
+
+
+def test_hop_lagging_side_catches_up_after_a_long_partition():
+    """Ring 0-1-2-3, standard mode, max_ig 2. The cut separates {0, 1} from {2, 3}; side {0, 1}
+    runs 40 iterations, side {2, 3} 10. After the heal (each side re-admits the other at the
+    iteration of its first update), the lagging side jumps to the leaders' iteration instead of
+    computing its way up while the leaders wait on their tokens: within a few rounds every worker
+    is within max_ig of its neighbours and all of them advance every round."""
+    sw = Swarm(4, max_ig=2)
+    t = 0.0
+    for _ in range(3):
+        sw.round(t := t + 1, range(4))
+    sides = ((0, 1), (2, 3))
+    across = [(i, j) for a, b in (sides, sides[::-1]) for i in a for j in b]
+    sw.cut = {frozenset(p) for p in across}
+    for i, j in across:                          # each side's failure detector: the other is dead
+        sw.deliver(i, PeerDown(j), t)
+    for r in range(40):
+        sw.round(t := t + 1, (0, 1) if r >= 10 else range(4))
+    lead, lag = sw.next[0], sw.next[2]
+    assert lead - lag >= 20, sw.next           # far beyond max_ig apart
+    sw.cut = set()
+    for i, j in across:             # what the daemon does on a heal: PeerUp at the peer's newest
+        kj = sw.pol[j].k            # tag, then its newest update (the greeting)
+        sw.deliver(i, PeerUp(j, kj), t)
+        sw.deliver(i, UpdateArrived(j, kj), t)
+    for _ in range(4):
+        sw.round(t := t + 1, range(4))
+    assert {i for i, _, _ in sw.jumps} >= {2, 3}, sw.jumps
+    assert all(to >= lead - 1 for i, _, to in sw.jumps if i in (2, 3)), sw.jumps
+    before = list(sw.next)
+    for _ in range(10):
+        sw.round(t := t + 1, range(4))
+    assert all(b - a == 10 for a, b in zip(before, sw.next)), (before, sw.next)
+    assert max(sw.next) - min(sw.next) <= 2, sw.next
+
+
+def test_hop_jumps_only_past_the_gap_bound():
+    """A neighbour within max_ig ahead is ordinary: standard mode without skipping never jumps."""
+    p = Hop(1, T.ring(4), max_ig=4)
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(0, 0), 0.1)
+    p.on_event(UpdateArrived(2, 4), 0.1)        # 4 ahead: the bound, not beyond it
+    acts = p.on_event(MixRequested(0), 0.2)
+    assert any(isinstance(a, Mix) for a in acts) and not any(isinstance(a, Skip) for a in acts)

@@ -88,22 +88,25 @@ def test_tokens_gate_the_mix_and_skip_releases_them():
     topo = T.ring(3)
     p = Hop(0, topo, max_ig=2, backup=1, skip=True, max_skip=5)
     assert p.on_event(Published(0), 0.0) == [Send(1, 0), Send(2, 0)]
-    # Neighbour 1 is far ahead: iteration 4 arrives (FIFO: it skipped or sent 0..3 earlier).
-    for k in range(5):
+    # Neighbour 1 is ahead by the gap bound: iteration 2 arrives (FIFO: it sent 0 and 1 earlier).
+    for k in range(3):
         p.on_event(UpdateArrived(1, k), 0.1)
     acts = p.on_event(MixRequested(0), 0.2)
     mix = [a for a in acts if isinstance(a, Mix)][0]
     assert mix.k == 0 and {e[0] for e in mix.entries} == {0, 1}
     assert abs(sum(e[2] for e in mix.entries) - 1) < 1e-12
-    # Two tokens per out-edge at start: skip is capped by tokens, so 0 -> 2, granting 2.
+    # Two tokens per out-edge at start: 0 -> 2 spends both and grants 2.
     assert Skip(2) in acts and Grant(1, 2) in acts and Grant(2, 2) in acts
     p.on_event(Published(2), 0.2)
     acts = p.on_event(MixRequested(2), 0.3)
     assert not any(isinstance(a, Mix) for a in acts)        # no tokens left: wait
     assert p.state()["waiting"]["reason"] == "tokens"
+    # 1 runs on to 4 (its bound: 2 + max_ig): skipping to 4 would take 2 steps, the tokens allow 1.
+    p.on_event(UpdateArrived(1, 4), 0.35)
     p.on_event(TokensArrived(1, 1), 0.4)
     acts = p.on_event(TokensArrived(2, 1), 0.4)
     assert any(isinstance(a, Mix) and a.k == 2 for a in acts)
+    assert not any(isinstance(a, Skip) for a in acts) and Grant(1, 1) in acts
 
 
 def test_constructor_refuses_unsound_settings():

@@ -35,6 +35,16 @@ Reading choices (the paper's details are reconstructed, see research/papers.md 1
   the live in-neighbours only) and from the token check; its held updates are dropped. Without a
   PeerDown the tokens stop neighbours max_ig iterations past a silent peer, by design.
 - PeerUp(p, k_p) re-admits p with its token counter reset as if p had granted up to k_p.
+- Catch-up (ours, every mode): a live in-neighbour's tag beyond k + max_ig cannot happen while the
+  tokens bind every edge; it means the two were apart (a healed partition: each side trained on
+  alone and drifted further apart than the bound) or an edge was rebuilt around a dead worker. The
+  worker behind then jumps to that tag after its mix of k (Skip, each jumped step spent and granted
+  like a computed one, not capped by its tokens), so the ones ahead, whose tokens the re-admission
+  reset to its old iteration, are released at once instead of waiting until it has computed its
+  way up (which outlasts the daemon's silent-peer timeout: the leaders then drop it, re-admit it at
+  its next update and wait again). Its neighbours on its own side see its new tag beyond their
+  bound and jump too, so a whole lagging side catches up hop by hop. Its model is its own mixed
+  with the leader's newest update, as a restarted worker resumes at its neighbours' iteration.
 - Repair: on PeerDown/PeerUp the graph becomes `topology.repair(base, dead)` (a ring re-links around
   the hole). An out-edge that appears gets my newest published update at once and a fresh token
   counter (as if the new neighbour were at my iteration); an in-edge that disappears has its held
@@ -237,6 +247,14 @@ class Hop(Policy):
             return None
         return tuple(self._entries(k, self._gather(k)[0]))
 
+    def _catch_up_target(self, k: int) -> int | None:
+        """The newest tag of a live in-neighbour when it lies beyond k + max_ig (impossible while the
+        tokens bind every edge: only after a partition healed or an edge was rebuilt); else None."""
+        if self.max_ig is None:
+            return None
+        k_seen = max((self.seen.get(j, -1) for j in self.live_in(k)), default=-1)
+        return k_seen if k_seen > k + self.max_ig else None
+
     def _try(self, now: float) -> list[Action]:
         k = self.want
         if k < 0 or k != self.k or self.mixed >= k:
@@ -254,7 +272,10 @@ class Hop(Policy):
                 short = [j for j in outs if self.tokens(j) < 1]
                 self._wait("tokens", short, now)
                 return [Wait(f"tokens from {short}")]
-        if self.skip:
+        ahead = self._catch_up_target(k)
+        if ahead is not None:
+            steps = ahead - k      # not capped by tokens: see "Catch-up" in the module docstring
+        elif self.skip:
             ins = self.live_in(k)
             k_seen = max((self.seen.get(j, -1) for j in ins), default=-1)
             if k_seen > k + 1:
