@@ -172,7 +172,8 @@ class Outgoing:
 
 @dataclass
 class Snapshot:
-    """What a pull source serves: parameters of one iteration. `done` runs after the stream."""
+    """What a pull source serves: parameters of one iteration. `done` runs once the server is
+    through with it (streamed, failed or refused): until then its bytes must not change."""
     iteration: int
     data: Outgoing
     checksum: int | None = None   # crc32 of the uncompressed bytes when the source knows it
@@ -519,6 +520,7 @@ class DataPlane:
     # -- server: pull ---------------------------------------------------------------------------
     async def _serve_pull(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         peer = _auth_node(context)
+        snap = None
         try:
             try:
                 req = pb.PullRequest.FromString(request)
@@ -536,7 +538,6 @@ class DataPlane:
             kind = req.kind or "model"
             if _base_kind(kind) not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
                 raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
-            snap = None
             if self.source is not None:
                 snap = self.source(peer, kind, req.min_iteration)
                 if inspect.isawaitable(snap):
@@ -546,6 +547,8 @@ class DataPlane:
                                     f"{req.min_iteration}", grpc.StatusCode.NOT_FOUND)
             self._take_slot(peer)
         except TransferError as e:
+            if snap is not None and snap.done is not None:
+                snap.done()          # refused after all: the source may reuse the snapshot
             self._refuse(e, peer, "pull")
             await context.abort(e.code, f"{e.reason}: {e.details}")
         stall = self.cfg.dataplane_stall_timeout

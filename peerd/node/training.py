@@ -207,6 +207,7 @@ class TrainingRun:
         self.own: dict[int, torch.Tensor] = {}        # my published parameters, by iteration
         self.own_out: dict[int, Outgoing] = {}         # the same, ready to push (checksummed once)
         self.sending: collections.Counter[int] = collections.Counter()  # queued pushes per iteration
+        self.serving: collections.Counter[int] = collections.Counter()  # pulls being answered, per iteration
         self.live_k = -1
         self.received: dict[tuple[int, int], Received] = {}
         self.unattached: list[Received] = []   # updates that arrived before our trainer attached
@@ -545,7 +546,17 @@ class TrainingRun:
         if buf is None:
             log.debug("pull from %s: iteration %d no longer held", requester, answer.k)
             return None
-        return Snapshot(answer.k if answer.k >= 0 else self.live_k, Outgoing.from_buffer(buf, self.wire))
+        held = self.live_k if (answer.live or answer.k == ev.CURRENT) else answer.k
+        # Not recycled while it streams: a pull over a slow link outlasts the iterations after
+        # which an own snapshot is retired, and a reused buffer fails the puller's checksum.
+        self.serving[held] += 1
+        return Snapshot(answer.k if answer.k >= 0 else self.live_k, Outgoing.from_buffer(buf, self.wire),
+                        done=lambda: self._served(held))
+
+    def _served(self, k: int) -> None:
+        self.serving[k] -= 1
+        if self.serving[k] <= 0:
+            del self.serving[k]
 
     # --- actions that do I/O ------------------------------------------------------------------
     def _buffer_for(self, k: int, live: bool) -> torch.Tensor | None:
@@ -848,8 +859,8 @@ class TrainingRun:
         for k in sorted(self.own)[:-keep]:
             snap = self.own.pop(k)
             del self.own_out[k]
-            if not self.sending.get(k):
-                self._pool.append(snap)  # reused only when no push of it is still queued
+            if not self.sending.get(k) and not self.serving.get(k):
+                self._pool.append(snap)  # reused only when no push or pull of it is in flight
         del self._pool[2:]
 
     async def mix(self, req: cpb.MixRequest) -> cpb.MixReply:
