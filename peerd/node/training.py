@@ -69,6 +69,7 @@ import collections
 import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -251,6 +252,10 @@ class TrainingRun:
         for r, node in enumerate(self.nodes):
             if not node:
                 self.apply_all(self.policy.on_event(ev.PeerDown(r), time.monotonic()))   # vacant: as dead
+        self.estimates_fed = 0
+        self.pull_times: collections.defaultdict[int, list[float]] = collections.defaultdict(list)  # answered pulls
+        if registry.ESTIMATES.get(self.policy.name) == "pull":
+            self._spawn(self._feed_estimates(), "link estimates")
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -614,6 +619,33 @@ class TrainingRun:
             finally:
                 self._settle(item)
 
+    def pull_estimates(self) -> list[list[float]] | None:
+        """NetMax's t[i][m] from the daemon's link matrix: the pull's round trip against this
+        host's measured compute (every row: other hosts' compute is not known here)."""
+        matrix = self.d.link_matrix
+        if matrix is None or self.layout is None or self.progress.compute_s.n == 0:
+            return None
+        return matrix.pull_times(self.nodes, self.layout.total_bytes, self.progress.compute_s.mean)
+
+    async def _feed_estimates(self) -> None:
+        """Every train_estimates_interval: the link matrix's times to the policy (NetMax solves its
+        peer probabilities from them). The solve runs in a thread first (the policy then finds it
+        cached), so the event loop never waits on it."""
+        while True:
+            await asyncio.sleep(self.d.cfg.train_estimates_interval)
+            times = self.pull_estimates()
+            if times is None:
+                continue
+            work = self.policy.estimates_work(times)
+            if work is not None:
+                await asyncio.to_thread(work)
+            self.feed(ev.LinkEstimates(times))
+            self.estimates_fed += 1
+            if work is not None:
+                row = self.policy.state().get("row")
+                log.info("link estimates: pull times %s s; peer probabilities %s",
+                         [round(x, 3) for x in times[self.rank]], row)
+
     async def _pull(self, dst: int, carry_k: int, k: int) -> None:
         """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
         carried pull the peer's pushed reply) must arrive within `train_pull_timeout`; otherwise
@@ -622,6 +654,7 @@ class TrainingRun:
         node = self.nodes[dst]
         member = self.d.membership.get(node)
         key = (dst, k)
+        t0 = time.monotonic()
         try:
             if member is None:
                 raise TransferError("peer_down", f"{node} is not a member")
@@ -632,7 +665,12 @@ class TrainingRun:
                                              kind=self.kind("carry"))
                     await answered.wait()
                 else:
-                    self.on_received(await self._pull_until_served(node))
+                    rec = await self._pull_until_served(node)
+                    dt = time.monotonic() - t0
+                    log.debug("pull %d from %s: iteration %d, %d bytes in %.3fs", k, node, rec.iteration,
+                              rec.wire_bytes, dt)
+                    self.on_received(rec)
+                self.pull_times[dst].append(time.monotonic() - t0)
             return
         except (TransferError, grpc.aio.AioRpcError) as e:
             log.info("pull from %s failed: %s", node, e)
@@ -1085,6 +1123,10 @@ class TrainingRun:
                 fut.set_exception(RunError("run stopped"))
         for p in self.slot_paths:
             p.unlink(missing_ok=True)
+        if self.pull_times:
+            log.info("pulls answered (peer rank: count, median, p90 seconds): %s", "; ".join(
+                f"{dst}: {len(ts)}, {statistics.median(ts):.3f}, {sorted(ts)[int(0.9 * len(ts))]:.3f}"
+                for dst, ts in sorted(self.pull_times.items())))
         if self.acc is not None:
             log.info("incremental mix: %d mixes from the running sum, %d summed in full, %d passes in the sum",
                      self.acc.hits, self.acc.misses, self.acc.passes)
@@ -1123,7 +1165,7 @@ class TrainingRun:
                 "dropped_nonfinite": self.dropped_nonfinite, "dropped_bad": dict(self.dropped_bad),
                 "incremental_mix": {"hits": self.acc.hits, "misses": self.acc.misses,
                                     "passes": self.acc.passes} if self.acc is not None else None,
-                "tag": self.tag}
+                "tag": self.tag, "estimates_fed": self.estimates_fed}
 
 
 def _norm(parts: list[torch.Tensor]) -> float:
