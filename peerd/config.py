@@ -153,8 +153,10 @@ class Config:
     train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
                                                 "(then mixes without it until its next update); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")
-    train_estimates_interval: float = _f(2.0, "seconds between the link estimates a run feeds to a policy that "
-                                              "uses them (NetMax's peer probabilities), from the link matrix")
+    train_estimates_interval: float = _f(10.0, "seconds between the link estimates a run feeds to a policy that "
+                                               "uses them (NetMax's peer probabilities: a re-solve costs tenths of "
+                                               "a second of CPU), from the link matrix and the run's own pulls; the "
+                                               "first ones as soon as there are any")
     train_pull_timeout: float = _f(5.0, "most seconds one pull (NetMax, AD-PSGD) may go unanswered (failed, refused, "
                                         "not found, or no reply) before the policy pulls another peer or takes "
                                         "the local step; keep it below train_silent_peer_timeout and above one "
