@@ -102,8 +102,8 @@ log = logging.getLogger("peerd.train")
 
 ALGORITHM_ALIASES = {"dpsgd": "d-psgd", "adpsgd": "ad-psgd"}
 STEP_EWMA = 0.1   # weight of one step in the step-time averages
-PULL_EWMA = 0.2   # weight of one answered pull in a peer's pull-time average
-PULL_EWMA_MIN = 3  # answered pulls from a peer before their average replaces the link matrix's time
+PULL_SAMPLES = 9       # a peer's pull time: the median of its last this many answered pulls
+PULL_SAMPLES_MIN = 3   # answered pulls from a peer before they replace the link matrix's time
 
 
 class RunError(RuntimeError):
@@ -256,7 +256,6 @@ class TrainingRun:
                 self.apply_all(self.policy.on_event(ev.PeerDown(r), time.monotonic()))   # vacant: as dead
         self.estimates_fed = 0
         self.pull_times: collections.defaultdict[int, list[float]] = collections.defaultdict(list)  # answered pulls
-        self.pull_ewma: collections.defaultdict[int, Ewma] = collections.defaultdict(Ewma)   # their seconds, per peer
         if registry.ESTIMATES.get(self.policy.name) == "pull":
             self._spawn(self._feed_estimates(), "link estimates")
 
@@ -634,9 +633,9 @@ class TrainingRun:
             # Our own row from our answered pulls where we have them (the paper's monitor measures
             # the iteration times): the matrix's RTT + bytes / capacity missed the pull's real cost
             # across a slow cut by ~2x (window growth, several hosts pulling over one link).
-            for j, e in self.pull_ewma.items():
-                if e.n >= PULL_EWMA_MIN:
-                    times[self.rank][j] = max(compute, e.mean)
+            for j, ts in self.pull_times.items():
+                if len(ts) >= PULL_SAMPLES_MIN:
+                    times[self.rank][j] = max(compute, statistics.median(ts[-PULL_SAMPLES:]))
         return times
 
     async def _feed_estimates(self) -> None:
@@ -679,13 +678,12 @@ class TrainingRun:
                                              kind=self.kind("carry"))
                     await answered.wait()
                 else:
-                    rec = await self._pull_until_served(node)
-                    dt = time.monotonic() - t0
+                    rec, t0 = await self._pull_until_served(node)
                     log.debug("pull %d from %s: iteration %d, %d bytes in %.3fs", k, node, rec.iteration,
-                              rec.wire_bytes, dt)
+                              rec.wire_bytes, time.monotonic() - t0)
                     self.on_received(rec)
+                # From the request that was answered: not the wait for a peer's first parameters.
                 self.pull_times[dst].append(time.monotonic() - t0)
-                self.pull_ewma[dst].add(time.monotonic() - t0, PULL_EWMA)
             return
         except (TransferError, grpc.aio.AioRpcError) as e:
             log.info("pull from %s failed: %s", node, e)
@@ -695,16 +693,18 @@ class TrainingRun:
             self.pull_answers.pop(key, None)
         self.feed(ev.PullFailed(dst, k))
 
-    async def _pull_until_served(self, node: str) -> Received:
+    async def _pull_until_served(self, node: str) -> tuple[Received, float]:
         """A peer that has no parameters yet (its trainer is starting) answers NOT_FOUND: ask
-        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout)."""
+        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout).
+        Returns the answer and when the answered request started."""
         delay = 0.02
         while True:
             member = self.d.membership.get(node)
             if member is None or member.state.value not in ("alive", "suspect"):
                 raise TransferError("peer_down", f"{node} is not alive")
             try:
-                return await self.d.pull_tensor(member.address, node, kind=self.kind("model"))
+                t0 = time.monotonic()
+                return await self.d.pull_tensor(member.address, node, kind=self.kind("model")), t0
             except TransferError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise

@@ -23,11 +23,8 @@ Probability matrix (reading choices; the paper's exact objective is reconstructe
   with consensus = 1 a P that mixes as well as uniform spends as many iterations on consensus as on
   optimisation; consensus -> inf recovers tbar / lambda_2. Default 0.3, chosen on the simulator's
   two-sites scenario (1.0 gave 8.2 s, 0.3 gave 5.5 s to target there); it is a Config knob.
-- Outer search: tbar on a geometric grid from the fastest link anywhere (min_i min_m t_im) to
-  max_i max_m t_im; row i's budget is max(tbar, its own fastest link) (the workers are
-  asynchronous: a host whose links are all slow must not lend its budget to the others); keep the P
-  with the least T * (1 + beta / gap), T the hosts' mean iteration time sum_m p_im t_im, uniform
-  P included as a candidate.
+- Outer search: tbar on a geometric grid from the least feasible budget (max_i min_m t_im) to
+  max_i max_m t_im, plus uniform's own budget; keep the P with the least tbar * (1 + beta / gap).
 - A pull that fails or goes unanswered (the driver bounds it; PullFailed) is drawn again from P
   without that peer, which rests before it is pulled again (nor again in that iteration; the rest
   grows from `pull_backoff_first` to `pull_backoff` over failures in a row, see PullBackoff); with no peer left the mix is the local step.
@@ -136,9 +133,8 @@ def project(y: np.ndarray, t: np.ndarray, adj: np.ndarray, tbar: float) -> np.nd
     return p
 
 
-def solve_budget(t: np.ndarray, adj: np.ndarray, tbar: float | np.ndarray, steps: int = 60) -> tuple[np.ndarray, float]:
-    """Maximise lambda_2(L(P)) under the time budget tbar (one for every row, or one per row);
-    returns (P, gap)."""
+def solve_budget(t: np.ndarray, adj: np.ndarray, tbar: float, steps: int = 60) -> tuple[np.ndarray, float]:
+    """Maximise lambda_2(L(P)) under the time budget tbar; returns (P, gap)."""
     n = t.shape[0]
     P = project(uniform_probs(adj), t, adj, tbar)
     best, best_gap = P, spectral_gap(P)
@@ -164,36 +160,29 @@ def row_time(P: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 def solve(t: np.ndarray, adj: np.ndarray, grid: int = 8, steps: int = 60,
           consensus: float = 0.3) -> tuple[np.ndarray, float, float]:
-    """NetMax's probability matrix: (P, T, gap) minimising T * (1 + beta / gap), T the hosts' mean
-    iteration time under P. Each row's budget is max(tbar, its own fastest link), tbar swept over a
-    grid: the workers run asynchronously, so one host whose links are all slow must not lend its
-    budget to the others (a common budget, the slowest host's, let every row spend up to it on
-    slow links: on a ring straddling two sites the hosts with a site neighbour pulled across the
-    cut ~65 % of the time)."""
+    """NetMax's probability matrix: (P, tbar, gap) minimising tbar * (1 + beta / gap)."""
     adj = np.asarray(adj, dtype=bool)
     t = np.asarray(t, dtype=float)
     has = adj.any(1)
     if not has.any():
         return np.zeros_like(t), 0.0, 0.0
-    fastest = np.where(has, np.where(adj, t, np.inf).min(1), 0.0)
-    lo = float(fastest[has].min())
+    lo = float(np.max(np.where(adj, t, np.inf).min(1)[has]))
     hi = float(np.max(np.where(adj, t, -np.inf).max(1)[has]))
-    U = uniform_probs(adj)
-    beta = consensus * spectral_gap(U)
-    budgets = sorted(set(np.geomspace(lo, max(hi, lo), grid).tolist()))
-    mean_time = lambda P: float(row_time(P, t)[has].mean())  # noqa: E731
+    t_uni = float(row_time(uniform_probs(adj), t).max())
+    beta = consensus * spectral_gap(uniform_probs(adj))
+    budgets = sorted(set(np.geomspace(lo, max(hi, lo), grid).tolist() + [t_uni]))
+    best: tuple[np.ndarray, float, float] | None = None
     cost = lambda tb, gap: tb * (1 + beta / gap)  # noqa: E731
-    gap_u = spectral_gap(U)
-    best: tuple[np.ndarray, float, float] | None = (U, mean_time(U), gap_u) if gap_u > 1e-12 else None
     for tb in budgets:
-        P, gap = solve_budget(t, adj, np.maximum(tb, fastest), steps)
+        P, gap = solve_budget(t, adj, tb, steps)
         if gap <= 1e-12:
             continue
-        tb_real = mean_time(P)
+        tb_real = float(row_time(P, t)[has].max())
         if best is None or cost(tb_real, gap) < cost(best[1], best[2]):
             best = (P, tb_real, gap)
     if best is None:  # disconnected links: no gap reachable; fall back to uniform
-        return U, mean_time(U), 0.0
+        P = uniform_probs(adj)
+        return P, t_uni, 0.0
     return best
 
 
