@@ -371,9 +371,11 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
 @click.option("--iterations", type=click.IntRange(2), help="iterations per run")
 @click.option("--target", type=float, help="target test accuracy")
 @click.option("--step-time", type=float, help="emulated compute seconds per step (x slowdown)")
+@click.option("--topology", help="communication graph of every peerd contender (default ring; DDP is all-reduce)")
 def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds: int | None,
                   scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,
-                  iterations: int | None, target: float | None, step_time: float | None) -> None:
+                  iterations: int | None, target: float | None, step_time: float | None,
+                  topology: str | None) -> None:
     """Heterogeneity benchmarks in the lab (root): every scenario with every contender, All-Reduce
     DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
     Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
@@ -385,7 +387,8 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
     from peerd.bench import report, scenarios as sc
 
     st = sc.Settings.quick() if quick else sc.Settings()
-    for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time).items():
+    for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time,
+                           topology=topology).items():
         if value is not None:
             setattr(st, key, value)
     names = list(scenario_names) or list(sc.SCENARIOS)
@@ -394,7 +397,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
     click.echo(f"run directory {out}; {len(names)} scenario(s) x {len(contenders)} contender(s) x "
                f"{seeds or (1 if quick else 3)} seed(s); task {st.task} "
                f"({sc.model_bytes(st.task) / 1e6:.2f} MB per model), {st.iterations} iterations, "
-               f"{st.step_time:g} s emulated compute per step")
+               f"{st.step_time:g} s emulated compute per step, {st.topology} topology")
     try:
         recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, config.load(),
                       echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)

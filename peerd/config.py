@@ -153,6 +153,10 @@ class Config:
     train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
                                                 "(then mixes without it until its next update); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")
+    train_estimates_interval: float = _f(10.0, "seconds between the link estimates a run feeds to a policy that "
+                                               "uses them (NetMax's peer probabilities: a re-solve costs tenths of "
+                                               "a second of CPU), from the link matrix and the run's own pulls; the "
+                                               "first ones as soon as there are any")
     train_pull_timeout: float = _f(5.0, "most seconds one pull (NetMax, AD-PSGD) may go unanswered (failed, refused, "
                                         "not found, or no reply) before the policy pulls another peer or takes "
                                         "the local step; keep it below train_silent_peer_timeout and above one "
@@ -175,6 +179,10 @@ class Config:
     lab_queue_min_bytes: int = _f(131072, "smallest leaf queue of a shaped lab class, bytes "
                                           "(below one 64 KiB GSO packet TCP stalls)", scope="lab")
     lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")
+    lab_tcp_slow_start_after_idle: bool = _f(False, "net.ipv4.tcp_slow_start_after_idle in every lab host's namespace: "
+                                                    "off, an idle connection keeps its congestion window (WAN tuning; "
+                                                    "otherwise each 1 MB exchange over a 40 ms link restarts from 10 "
+                                                    "segments and takes ~6 round trips)", scope="lab")
     lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
 
     # --- sync policy (peerd/sync; read by the daemon and by `peerd sim`) -----------------------

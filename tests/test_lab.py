@@ -78,6 +78,9 @@ def test_hosts_reach_each_other_only_inside_the_lab(make_lab):
         # No route out: the kernel refuses before a packet could leave.
         p = subprocess.run(["ip", "-n", lb.ns(src), "route", "get", "192.0.2.1"], capture_output=True, text=True)
         assert p.returncode != 0 and "unreachable" in p.stderr.lower()
+        # WAN tuning, per namespace (lab_tcp_slow_start_after_idle): an idle connection keeps its window
+        idle = netns.run(["ip", "netns", "exec", lb.ns(src), "sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"], 10)
+        assert idle.strip() == "0"
     st = lab.status(lb.dir)
     assert st["hosts"]["h1"]["slowdown"] == 4.0 and st["hosts"]["h2"]["slowdown"] == 1.0
     env = subprocess.run([sys.executable, "-m", "cli.lab", "exec", "--dir", str(lb.dir), "h1", "--",

@@ -577,6 +577,17 @@ def test_lookups_and_gossip_limit():
     assert m.entries == {}
 
 
+def test_pull_times_are_the_round_trip_against_compute_and_unknown_pairs_the_slowest():
+    m = LinkMatrix("a", CFG)
+    assert m.pull_times(["b", "c"], 1_000_000, 0.1) is None              # nothing measured
+    m.merge([entry("b", "c", 5, bw=2e6, rtt=0.04), entry("c", "b", 5, bw=100e6, rtt=0.001)], now=10.0)
+    times = m.pull_times(["b", "c", "d", ""], nbytes=1_000_000, compute=0.1)
+    assert times[1][0] == pytest.approx(0.04 + 1_000_000 / 2e6)     # c pulls b: b -> c at 2 MB/s
+    assert times[0][1] == pytest.approx(0.1)                        # fast link: the compute bounds it
+    assert times[2][0] == times[3][1] == times[0][3] == pytest.approx(0.54)   # unmeasured: the slowest
+    assert all(times[i][i] == 0.0 for i in range(4))
+
+
 # ---- rendering ---------------------------------------------------------------------------------
 
 def test_render_text_and_json():

@@ -113,3 +113,60 @@ def test_simulated_link_change_triggers_a_resolve_towards_the_new_fast_links():
     assert all(p.solves == 2 for p in pols)
     row = pols[0].row()
     assert row[~same[0]].min() > row[same[0] & (np.arange(n) != 0)].max()
+
+
+def _bisection_project(y, t, adj, tbar):
+    """The reference: the budget multiplier by 200 plain bisection steps."""
+    tt = np.where(adj, t, 0.0)
+    yy = np.where(adj, y, nm._OFF)
+    p = nm._simplex_rows(yy)
+    for i in range(len(y)):
+        if (p[i] * tt[i]).sum() <= tbar:
+            continue
+        lo, hi = 0.0, 1.0
+        while (nm._simplex_rows((yy[i] - hi * tt[i])[None])[0] * tt[i]).sum() > tbar:
+            hi *= 2
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if (nm._simplex_rows((yy[i] - mid * tt[i])[None])[0] * tt[i]).sum() > tbar:
+                lo = mid
+            else:
+                hi = mid
+        p[i] = nm._simplex_rows((yy[i] - hi * tt[i])[None])[0]
+    return p
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(3, 8), q=st.floats(0.0, 1.0))
+def test_projection_matches_bisection_and_keeps_the_budget(seed, n, q):
+    adj = random_graph(seed, n).adjacency()
+    t = rand_times(seed, n, adj)
+    rng = np.random.default_rng(seed + 1)
+    y = rng.normal(0.3, 0.5, (n, n))
+    lo = np.where(adj, t, np.inf).min(1).max()
+    hi = np.where(adj, t, -np.inf).max(1).max()
+    tbar = lo + q * (hi - lo)
+    p = nm.project(y, t, adj, tbar)
+    ref = _bisection_project(y, t, adj, tbar)
+    np.testing.assert_allclose(p, ref, atol=1e-6)
+    assert ((p * np.where(adj, t, 0.0)).sum(1) <= tbar + 1e-9).all()
+    np.testing.assert_allclose(p.sum(1), 1.0)
+    assert (p[~adj] == 0).all()
+
+
+def test_estimates_work_is_the_solve_on_estimates_would_run_and_none_within_resolve_frac():
+    n = 6
+    topo = T.ring(n)
+    p = nm.NetMax(0, topo, seed=1)
+    site = np.arange(n) // 3
+    t = np.where(site[:, None] == site[None, :], 0.1, 0.4 + 0.01 * np.arange(n)[None, :])
+    work = p.estimates_work(t)
+    assert work is not None
+    P = work()
+    p.on_event(LinkEstimates(t), 0.0)
+    assert p.P is P                              # the policy found the driver's solve cached
+    assert p.row()[1] > 0.65 and 0 < p.row()[5] < 0.35   # h1 pulls its site neighbour most
+    assert p.estimates_work(t * 1.1) is None     # within resolve_frac: no re-solve
+    assert p.estimates_work(t * 2) is not None
+    assert nm.NetMax(0, topo, probs="uniform").estimates_work(t) is None
+

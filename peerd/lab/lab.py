@@ -231,6 +231,9 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
     for h in hosts.values():
         netns.batch("ip", h["ns"], ["link set lo up", f"addr add {h['ip']}/{prefix} dev eth0",
                                     "link set eth0 up"], t)
+        # Per network namespace: the same for every process of the host (daemons, DDP, probes).
+        netns.run(["ip", "netns", "exec", h["ns"], "sysctl", "-qw",
+                   f"net.ipv4.tcp_slow_start_after_idle={int(cfg.lab_tcp_slow_start_after_idle)}"], t)
 
     # Delay wires: one process per delayed site, holding its two TAPs.
     for s in profile.sites:

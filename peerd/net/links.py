@@ -668,6 +668,33 @@ class LinkMatrix:
             out.append(row)
         return out
 
+    def pull_times(self, nodes: list[str], nbytes: int, compute: float) -> list[list[float]] | None:
+        """times[i][j]: nodes[i]'s iteration time when it pulls nodes[j]'s `nbytes` while it
+        computes for `compute` seconds, max(compute, RTT + nbytes over the bandwidth j -> i): the
+        matrix NetMax's LinkEstimates carry (the request goes out, the parameters come back).
+        Pairs nobody measured (a peer not probed yet, a vacant rank) get the slowest measured
+        time, so they are never favoured; None when no pair is measured. 0 on the diagonal."""
+        n = len(nodes)
+        out = [[0.0] * n for _ in range(n)]
+        missing = []
+        for i, dst in enumerate(nodes):
+            for j, src in enumerate(nodes):
+                if i == j:
+                    continue
+                bw = self.bandwidth(src, dst) if src and dst else None
+                if bw is None:
+                    missing.append((i, j))
+                    continue
+                out[i][j] = max(compute, (self.rtt(src, dst) or 0.0) + nbytes / bw)
+        gaps = set(missing)
+        known = [out[i][j] for i in range(n) for j in range(n) if i != j and (i, j) not in gaps]
+        if not known:
+            return None
+        worst = max(known)
+        for i, j in missing:
+            out[i][j] = worst
+        return out
+
     def to_entries(self, now: float, limit: int | None = None,
                    newer_than: float | None = None) -> list[dict[str, Any]]:
         """Entries in gossip form (LinkEntry fields, ages relative to `now`), own rows first, then

@@ -69,6 +69,7 @@ import collections
 import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -101,6 +102,8 @@ log = logging.getLogger("peerd.train")
 
 ALGORITHM_ALIASES = {"dpsgd": "d-psgd", "adpsgd": "ad-psgd"}
 STEP_EWMA = 0.1   # weight of one step in the step-time averages
+PULL_SAMPLES = 9       # a peer's pull time: the median of its last this many answered pulls
+PULL_SAMPLES_MIN = 3   # answered pulls from a peer before they replace the link matrix's time
 
 
 class RunError(RuntimeError):
@@ -252,6 +255,10 @@ class TrainingRun:
         for r, node in enumerate(self.nodes):
             if not node:
                 self.apply_all(self.policy.on_event(ev.PeerDown(r), time.monotonic()))   # vacant: as dead
+        self.estimates_fed = 0
+        self.pull_times: collections.defaultdict[int, list[float]] = collections.defaultdict(list)  # answered pulls
+        if registry.ESTIMATES.get(self.policy.name) == "pull":
+            self._spawn(self._feed_estimates(), "link estimates")
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -625,6 +632,44 @@ class TrainingRun:
             finally:
                 self._settle(item)
 
+    def pull_estimates(self) -> list[list[float]] | None:
+        """NetMax's t[i][m] from the daemon's link matrix: the pull's round trip against this
+        host's measured compute (every row: other hosts' compute is not known here)."""
+        matrix = self.d.link_matrix
+        if matrix is None or self.layout is None or self.progress.compute_s.n == 0:
+            return None
+        compute = self.progress.compute_s.mean
+        times = matrix.pull_times(self.nodes, self.layout.total_bytes, compute)
+        if times is not None:
+            # Our own row from our answered pulls where we have them (the paper's monitor measures
+            # the iteration times): the matrix's RTT + bytes / capacity missed the pull's real cost
+            # across a slow cut by ~2x (window growth, several hosts pulling over one link).
+            for j, ts in self.pull_times.items():
+                if len(ts) >= PULL_SAMPLES_MIN:
+                    times[self.rank][j] = max(compute, statistics.median(ts[-PULL_SAMPLES:]))
+        return times
+
+    async def _feed_estimates(self) -> None:
+        """Every train_estimates_interval: the link matrix's times to the policy (NetMax solves its
+        peer probabilities from them). The solve runs in a thread first (the policy then finds it
+        cached), so the event loop never waits on it."""
+        while True:
+            # Every second until the first estimates are in, then every interval: each solve costs
+            # tenths of a second of CPU per host, and the links do not change faster than that.
+            await asyncio.sleep(self.d.cfg.train_estimates_interval if self.estimates_fed else 1.0)
+            times = self.pull_estimates()
+            if times is None:
+                continue
+            work = self.policy.estimates_work(times)
+            if work is not None:
+                await asyncio.to_thread(work)
+            self.feed(ev.LinkEstimates(times))
+            self.estimates_fed += 1
+            if work is not None:
+                row = self.policy.state().get("row")
+                log.info("link estimates: pull times %s s; peer probabilities %s",
+                         [round(x, 3) for x in times[self.rank]], row)
+
     async def _pull(self, dst: int, carry_k: int, k: int) -> None:
         """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
         carried pull the peer's pushed reply) must arrive within `train_pull_timeout`; otherwise
@@ -633,6 +678,7 @@ class TrainingRun:
         node = self.nodes[dst]
         member = self.d.membership.get(node)
         key = (dst, k)
+        t0 = time.monotonic()
         try:
             if member is None:
                 raise TransferError("peer_down", f"{node} is not a member")
@@ -643,7 +689,12 @@ class TrainingRun:
                                              kind=self.kind("carry"))
                     await answered.wait()
                 else:
-                    self.on_received(await self._pull_until_served(node))
+                    rec, t0 = await self._pull_until_served(node)
+                    log.debug("pull %d from %s: iteration %d, %d bytes in %.3fs", k, node, rec.iteration,
+                              rec.wire_bytes, time.monotonic() - t0)
+                    self.on_received(rec)
+                # From the request that was answered: not the wait for a peer's first parameters.
+                self.pull_times[dst].append(time.monotonic() - t0)
             return
         except (TransferError, grpc.aio.AioRpcError) as e:
             log.info("pull from %s failed: %s", node, e)
@@ -653,16 +704,18 @@ class TrainingRun:
             self.pull_answers.pop(key, None)
         self.feed(ev.PullFailed(dst, k))
 
-    async def _pull_until_served(self, node: str) -> Received:
+    async def _pull_until_served(self, node: str) -> tuple[Received, float]:
         """A peer that has no parameters yet (its trainer is starting) answers NOT_FOUND: ask
-        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout)."""
+        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout).
+        Returns the answer and when the answered request started."""
         delay = 0.02
         while True:
             member = self.d.membership.get(node)
             if member is None or member.state.value not in ("alive", "suspect"):
                 raise TransferError("peer_down", f"{node} is not alive")
             try:
-                return await self.d.pull_tensor(member.address, node, kind=self.kind("model"))
+                t0 = time.monotonic()
+                return await self.d.pull_tensor(member.address, node, kind=self.kind("model")), t0
             except TransferError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -1096,6 +1149,10 @@ class TrainingRun:
                 fut.set_exception(RunError("run stopped"))
         for p in self.slot_paths:
             p.unlink(missing_ok=True)
+        if self.pull_times:
+            log.info("pulls answered (peer rank: count, median, p90 seconds): %s", "; ".join(
+                f"{dst}: {len(ts)}, {statistics.median(ts):.3f}, {sorted(ts)[int(0.9 * len(ts))]:.3f}"
+                for dst, ts in sorted(self.pull_times.items())))
         if self.acc is not None:
             log.info("incremental mix: %d mixes from the running sum, %d summed in full, %d passes in the sum",
                      self.acc.hits, self.acc.misses, self.acc.passes)
@@ -1134,7 +1191,7 @@ class TrainingRun:
                 "dropped_nonfinite": self.dropped_nonfinite, "dropped_bad": dict(self.dropped_bad),
                 "incremental_mix": {"hits": self.acc.hits, "misses": self.acc.misses,
                                     "passes": self.acc.passes} if self.acc is not None else None,
-                "tag": self.tag}
+                "tag": self.tag, "estimates_fed": self.estimates_fed}
 
 
 def _norm(parts: list[torch.Tensor]) -> float:

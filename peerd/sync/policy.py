@@ -13,7 +13,7 @@ A policy never sleeps, reads a clock or does I/O. The driver (daemon, simulator,
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
                                Published, PullFailed, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
@@ -89,6 +89,12 @@ class Policy:
 
     def on_estimates(self, ev: LinkEstimates, now: float) -> list[Action]:
         return []
+
+    def estimates_work(self, times: Any) -> Callable[[], Any] | None:
+        """Optional, pure: the heavy computation (if any) that on_estimates(LinkEstimates(times))
+        would run, as a callable whose result the policy then finds cached, so that a driver can
+        run it off its event loop first. None: nothing heavy (the default)."""
+        return None
 
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return []

@@ -1,0 +1,75 @@
+"""A run feeds NetMax the link matrix's pull times (TrainingRun._feed_estimates), in process with a
+stand-in daemon: no sockets, no trainer."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import types
+
+from peerd.config import Config
+from peerd.net.links import LinkMatrix
+from peerd.node.training import RunSpec, TrainingRun
+from peerd.train.flat import Layout
+
+NODES = ["a1", "a2", "a3", "b1", "b2", "b3"]          # two sites; ring a1-a2-a3-b1-b2-b3-a1
+
+
+def _entry(m, t, bw, rtt):
+    return {"measurer": m, "target": t, "capacity_bytes_s": bw, "capacity_age_s": 1.0,
+            "throughput_bytes_s": bw, "throughput_spread_bytes_s": 0.0, "rtt_s": rtt, "rtt_spread_s": 0.0,
+            "samples": 3, "age_s": 1.0}
+
+
+def _daemon(tmp_path, cfg):
+    matrix = LinkMatrix("a1", cfg)
+    same = lambda x, y: x[0] == y[0]   # noqa: E731
+    matrix.merge([_entry(x, y, 120e6 if same(x, y) else 5e6, 0.001 if same(x, y) else 0.045)
+                  for x in NODES for y in NODES if x != y], now=10.0)
+    return types.SimpleNamespace(cfg=cfg, node_id="a1", link_matrix=matrix,
+                                 data=types.SimpleNamespace(path=tmp_path))
+
+
+def _spec(algorithm):
+    return RunSpec(task="digits", algorithm=algorithm, topology="ring", world=6, iterations=10, seed=0,
+                   non_iid=False, slowdown=1.0, options={}, script=[], eval_every=0, join_timeout=1.0)
+
+
+def test_netmax_run_feeds_link_estimates_and_pulls_its_site_neighbour_most(tmp_path):
+    cfg = dataclasses.replace(Config(), train_estimates_interval=0.05, run_id="t")
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("netmax"), NODES)
+        assert run.pull_estimates() is None                   # no layout, no compute yet
+        run.layout = Layout.build([("w", "float32", (250_000,))])   # 1 MB
+        for _ in range(5):
+            run.progress.compute_s.add(0.1, 0.1)
+        times = run.pull_estimates()
+        assert times[0][1] == 0.1 and abs(times[0][5] - (0.045 + 1e6 / 5e6)) < 1e-9
+        run.pull_times[5] += [0.5, 0.6, 9.0, 0.55]   # our own pulls from b3: slower than the matrix says
+        run.pull_times[1] += [0.02]                  # one pull from a2: too few to replace the matrix
+        times = run.pull_estimates()
+        assert 0.55 <= times[0][5] <= 0.6 and times[0][1] == 0.1   # the median: one outlier does not count
+        assert abs(times[1][5] - (0.045 + 1e6 / 5e6)) < 1e-9   # other hosts' rows: the matrix
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if run.estimates_fed:
+                break
+        row = run.policy.row()
+        for task in list(run._tasks):
+            task.cancel()
+        return run, row
+    run, row = asyncio.run(go())
+    assert run.estimates_fed >= 1 and run.policy.t is not None and run.policy.kind == "opt"
+    assert row[1] > 0.7 and 0 < row[5] < 0.3     # a1: its site neighbour a2 most, b3 across the cut less (uniform: 0.5)
+
+
+def test_policies_without_pull_estimates_get_none(tmp_path):
+    cfg = dataclasses.replace(Config(), train_estimates_interval=0.01, run_id="t")
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), NODES)
+        names = {t.get_name() for t in run._tasks}
+        for task in list(run._tasks):
+            task.cancel()
+        return names
+    assert "link estimates" not in asyncio.run(go())
