@@ -35,6 +35,8 @@ class Config:
                            "(default: $XDG_DATA_HOME/peerd or ~/.local/share/peerd)")
     run_id: str = _f("default", "training run this daemon belongs to; daemons of other runs are refused")
     peers: tuple[str, ...] = _f((), "seed peer HOST:PORT to contact (repeatable)", flag="peer", multiple=True)
+    site: str = _f("", "where this host is (a lab, an office, a cloud region): hosts of one site are ranked "
+                       "next to each other in a run, so a ring crosses between sites as few times as it can")
     secret_file: str = _f("", "file holding the cluster secret (or set PEERD_SECRET)")
     tls_cert: str = _f("", "PEM certificate for TLS on the Peer service (optional, for WANs)")
     tls_key: str = _f("", "PEM private key matching --tls-cert")

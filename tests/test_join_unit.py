@@ -60,3 +60,24 @@ def test_two_admitters_with_overlapping_members_never_both_win():
                 accepted[node].add(member)
         winners = [n for n, acc in accepted.items() if acc == set(members)]
         assert len(winners) <= 1, order
+
+
+def test_world_is_ranked_by_site_then_node_id():
+    """Sites a and b, node ids interleaved: the ranks keep each site together (a ring over them
+    crosses between the sites twice), the same on every host; no labels: node id order as before."""
+    import types
+
+    from peerd.node.training import form_world
+
+    def daemon(me: str, sites: dict[str, str]):
+        members = {n: types.SimpleNamespace(capabilities={"site": s}) for n, s in sites.items() if n != me}
+        return types.SimpleNamespace(node_id=me, caps={"site": sites[me]},
+                                     membership=types.SimpleNamespace(alive=lambda: sorted(members),
+                                                                      get=members.get))
+
+    sites = {"n1": "b", "n2": "a", "n3": "b", "n4": "a", "n5": "b", "n6": "a"}
+    worlds = {me: form_world(daemon(me, sites), 6) for me in sites}
+    assert all(w == ["n2", "n4", "n6", "n1", "n3", "n5"] for w in worlds.values()), worlds
+    assert form_world(daemon("n1", {n: "" for n in sites}), 6) == sorted(sites)
+    assert form_world(daemon("n1", sites), 7) is None                 # too few peers alive
+    assert form_world(daemon("n1", sites), 3) == ["n2", "n1", "n3"]  # the first peers by id, by site

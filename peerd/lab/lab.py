@@ -57,10 +57,11 @@ def ns_name(lab_id: str, host: str) -> str:
 
 
 def daemon_argv(python: str, ip: str, port: int, data_dir: Path, run_id: str, secret_file: Path,
-                peers: list[str], extra: tuple[str, ...] = ()) -> list[str]:
-    """The one place where the lab writes a daemon's command line (the daemon's CLI contract)."""
+                peers: list[str], extra: tuple[str, ...] = (), site: str = "") -> list[str]:
+    """The one place where the lab writes a daemon's command line (the daemon's CLI contract).
+    The host's site goes to its daemon as `--site`, as a user labels hosts by location."""
     argv = [python, "-m", "cli.main", "up", "--listen", f"{ip}:{port}", "--data-dir", str(data_dir),
-            "--run-id", run_id, "--secret-file", str(secret_file)]
+            "--run-id", run_id, "--secret-file", str(secret_file)] + (["--site", site] if site else [])
     for p in peers:
         argv += ["--peer", p]
     return argv + list(extra)
@@ -280,7 +281,8 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
         data_dir = Path(h["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = daemon_argv(python, h["ip"], port, data_dir, state["run_id"], secret,
-                           [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [], daemon_args)
+                           [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [], daemon_args,
+                           site=h["site"] if len(profile.sites) > 1 else "")
         log = lab_dir / name / "daemon.log"
         h["argv"] = argv                 # for a restart (churn.py)
         proc = netns.spawn(h["ns"], argv, env=_child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}), log=log)

@@ -8,7 +8,7 @@ STATE_TO_PB = {State.ALIVE: pb.PEER_STATE_ALIVE, State.SUSPECT: pb.PEER_STATE_SU
                State.DEAD: pb.PEER_STATE_DEAD, State.LEFT: pb.PEER_STATE_LEFT}
 PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
 
-CAP_FIELDS = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version")
+CAP_FIELDS = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version", "site")
 
 
 def caps_to_pb(caps: dict) -> pb.Capabilities:

@@ -60,7 +60,7 @@ class Daemon:
         self.incarnation = 0
         self.address = ""
         self.started_mono = time.monotonic()
-        self.caps = capabilities.detect()
+        self.caps = capabilities.detect(site=cfg.site)
         self.membership: Membership | None = None
         self.auth: Authenticator | None = None
         self.gate: RefusalGate | None = None

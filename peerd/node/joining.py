@@ -1,7 +1,7 @@
 """Forming a run, and joining one under way (issue 8, item 2).
 
-A run has ranks 0..max_world-1. The `world` founders take ranks 0..world-1 (sorted node ids, as
-`form_world` picks them); ranks world..max_world-1 are vacant until late joiners take them. Every
+A run has ranks 0..max_world-1. The `world` founders take ranks 0..world-1 (by site label, then node id,
+as `form_world` ranks them); ranks world..max_world-1 are vacant until late joiners take them. Every
 policy is built for max_world workers and hears PeerDown for each vacant rank before anything else,
 so a vacancy is exactly a dead worker to it (never waited on; a ring re-links around it, NetMax and
 AAU solve on the live set). The run's tag is derived from the shared spec and the founders only, so

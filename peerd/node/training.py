@@ -1,8 +1,9 @@
 """A training run inside the daemon: the sans-I/O sync policy driven by real events.
 
 One `TrainingRun` per `peerd train` on this host. It
-- forms the run's world (this node and the first `world - 1` alive peers, ranked by node id, so
-  every host that sees the same swarm ranks it the same way);
+- forms the run's world (this node and the first `world - 1` alive peers by node id, ranked by
+  site label then node id, so every host that sees the same swarm ranks it the same way, and a
+  ring keeps each site's hosts together);
 - spawns the trainer (a built-in task or the user's script) with spawn/exec, never fork, and
   restarts it from its last checkpoint when it crashes, without leaving the swarm;
 - serves the trainer's Attach/Publish/Mix over the control socket. Parameters never travel over
@@ -1211,12 +1212,20 @@ def checkpoint_iteration(directory: Path) -> int:
 
 
 def form_world(daemon: "Daemon", world: int) -> list[str] | None:
-    """This node and the first world-1 alive peers by node id, sorted: every host that sees the
-    same swarm forms the same world. None while too few peers are alive."""
+    """This node and the first world-1 alive peers by node id, in rank order: by site label, then
+    node id (every host that sees the same swarm forms the same world; a ring over these ranks
+    keeps each site's hosts together, crossing between two sites twice, not at random). None while
+    too few peers are alive."""
     alive = daemon.membership.alive()
     if len(alive) < world - 1:
         return None
-    return sorted([daemon.node_id, *sorted(alive)[:world - 1]])
+
+    def site(node: str) -> str:
+        if node == daemon.node_id:
+            return str(daemon.caps.get("site", ""))
+        member = daemon.membership.get(node)
+        return str(member.capabilities.get("site", "")) if member is not None else ""
+    return sorted([daemon.node_id, *sorted(alive)[:world - 1]], key=lambda n: (site(n), n))
 
 
 async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc.aio.ServicerContext):

@@ -30,20 +30,22 @@ COMPRESSION_FP16: Compression
 COMPRESSION_BF16: Compression
 
 class Capabilities(_message.Message):
-    __slots__ = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version")
+    __slots__ = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version", "site")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     GPU_NAME_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     PEERD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     gpu_name: str
     gpu_memory_bytes: int
     step_time_s: float
     cpu_count: int
     peerd_version: str
-    def __init__(self, device_kind: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., peerd_version: _Optional[str] = ...) -> None: ...
+    site: str
+    def __init__(self, device_kind: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., peerd_version: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id", "protocol_version", "run_id", "address", "capabilities", "incarnation")
