@@ -20,7 +20,6 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 # Fast failure detection: a cut or a crash is seen within DEAD_AFTER.
 DEAD_AFTER = 2.0
-PARTITION_SILENT = 20.0  # train_silent_peer_timeout of the partition test's daemons
 JOINED_MARGIN = 1.5   # consensus distance after the heal vs the joined swarm's before the cut
 HEALED_FRACTION = 0.1  # ... and vs its value at the heal (the joined value reads high when the hosts'
                        # first checkpoints are of different iterations: a trainer that started late)
@@ -90,9 +89,7 @@ def test_partition_and_heal_on_two_sites(make_lab):
     every host reaches the accuracy bar)."""
     cfg = Config()
     prof = profile.load("two-sites")
-    # A silent-peer timeout well above the stalls expected after the heal: a host held at the gap
-    # bound and waited out as silent (what the side ahead used to be) stalls this long.
-    lb = make_lab(prof, ("--train-silent-peer-timeout", str(PARTITION_SILENT)))
+    lb = make_lab(prof)
     wait(lambda: all(alive_peers(lb, h) == 3 for h in lb.hosts), 60, "a full swarm")
     # Paced steps, site b twice as slow as site a: joined, Hop holds a at b's pace; cut apart, a runs
     # ahead, so at the heal the sides are far more than max_ig apart (the case that used to hang).
@@ -130,16 +127,15 @@ def test_partition_and_heal_on_two_sites(make_lab):
     stalls = {h: churn.longest_stall(r, t_cut, t_heal) for h, r in runs.items()}
     print(f"stall per host during the cut: {stalls} (bound {bound} s); consensus distance at heal {apart:.3f}")
     assert max(stalls.values()) < bound, stalls
-    # After the heal: the side behind jumps to the side ahead (Hop's catch-up), and the side ahead
-    # admits it once it has caught up, instead of being held at the token bound until it was waited
-    # out as silent (a stall of PARTITION_SILENT, again and again). Quiet machine: 2-3.6 s.
+    # After the heal too: the side behind jumps to the side ahead (Hop's catch-up) instead of
+    # holding it at the token bound, where it used to be waited out as silent (10 s) again and again.
     healed = {h: churn.longest_stall(r, t_heal, next(x["t"] for x in r if x.get("iteration", 0) >= r[-1]["iteration"]))
               for h, r in runs.items()}
     skipped = {h: r[-1].get("skipped", 0) for h, r in runs.items()}
     print(f"sides apart by {drift} iterations at the heal; stall per host after the heal: {healed}; "
           f"iterations skipped per host: {skipped}")
     assert drift > cfg.hop_max_ig, drift                # the case under test did happen
-    assert max(healed.values()) < PARTITION_SILENT / 2, healed
+    assert max(healed.values()) < bound, healed
     assert all(skipped[h] > 0 for h in slow), skipped  # the side behind jumped
     for h, r in runs.items():
         assert r[-1]["state"] == "done" and r[-1]["metric"] >= 0.8, (h, r[-1])

@@ -250,7 +250,6 @@ class TrainingRun:
         self.stop_requested = False
         self.checkpoint_dir = self._checkpoint_dir()
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
-        self.deferred: dict[int, int] = {}  # returning peers far behind (their newest iteration): see _far_behind
         self.readmitted: dict[int, int] = {}   # re-admitted at this iteration, until its next update
         self.join_note = ""
         self.replanner: Replanner | None = None     # set for `--algo auto`
@@ -326,7 +325,6 @@ class TrainingRun:
                 self.absent.pop(src, None)   # the failure detector's word supersedes a notice
             self._reset_sender(src)
             self.readmitted.pop(src, None)
-            self.deferred.pop(src, None)
             self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str) -> None:
@@ -454,12 +452,6 @@ class TrainingRun:
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.nodes.index(node_id), max(k, 0)))
 
-    def _far_behind(self, k: int) -> bool:
-        """An iteration beyond the policy's gap bound behind ours (Hop's max_ig; never for policies
-        without one)."""
-        max_ig = getattr(self.policy, "max_ig", None)
-        return max_ig is not None and self.policy.k - k > max_ig
-
     def _check_readmission(self, src: int, rec: Received) -> None:
         """Re-admit a returning peer at its update's iteration, and check that iteration against
         the next update: a push cut off by a partition may reach us after the heal (TCP delivers
@@ -468,18 +460,6 @@ class TrainingRun:
         iteration, Hop's token edge would hold us until the peer "caught up" to where it already
         is; a jump past it in the next update re-admits the peer where it really is."""
         if rec.sender in self.returning:
-            if self._far_behind(rec.iteration):
-                # Re-admitted now, it would hold us at the gap bound until it caught up. Instead it
-                # gets our newest update in answer (outside the policy, like peer_up's greeting) and
-                # jumps to it (Hop's catch-up); its first update within the bound re-admits it.
-                if self.deferred.get(src) is None:
-                    log.info("peer %s returns at iteration %d, more than %d behind our %d: admitted once "
-                             "it has caught up", rec.sender, rec.iteration, self.policy.max_ig, self.policy.k)
-                self.deferred[src] = rec.iteration
-                if self.live_k >= 0:
-                    self._send(ev.Send(src, self.live_k))
-                return
-            self.deferred.pop(src, None)
             self._back_in_run(rec.sender, rec.iteration)
             self.readmitted[src] = rec.iteration
         elif (k0 := self.readmitted.pop(src, None)) is not None and rec.iteration > k0 + 1:
