@@ -125,7 +125,8 @@ def test_state_reports_gaps_tokens_queues():
     p.on_event(UpdateArrived(1, 0), 0.0)
     p.on_event(UpdateArrived(1, 1), 0.0)
     s = p.state()
-    assert s["tokens"] == {1: 3, 3: 3} and s["queue"] == {1: 2} and s["gap"] == {1: -1}
+    # 1 reached iteration 1 (its update says so): I may run to 1 + max_ig, one token more than granted
+    assert s["tokens"] == {1: 4, 3: 3} and s["queue"] == {1: 2} and s["gap"] == {1: -1}
     assert s["mode"] == "backup1"
 
 
@@ -142,3 +143,20 @@ def test_silent_crash_stops_neighbours_at_max_ig_and_the_run_reports_a_stall(mod
     crashed_at = sim.k[0]
     for j in topo.out_neighbors(0):
         assert crashed_at + 1 <= sim.k[j] <= crashed_at + 2   # ran up to the bound, not past it
+
+
+def test_a_lost_grant_is_made_up_by_the_next_update():
+    """Grants ride an RPC that can time out on a congested link. The neighbours' next updates show
+    where they are, and that bounds the gap as well as their grants would (before: the lost tokens
+    held the worker until a silent-peer timeout re-admitted the neighbour)."""
+    p = Hop(0, T.ring(3), max_ig=1)
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(1, 0), 0.1)
+    p.on_event(UpdateArrived(2, 0), 0.1)
+    assert any(isinstance(a, Mix) for a in p.on_event(MixRequested(0), 0.2))
+    p.on_event(Published(1), 0.3)
+    assert p.tokens(1) == 0 and p.tokens(2) == 0          # no grants came (lost)
+    p.on_event(UpdateArrived(1, 1), 0.4)                  # ... but 1 and 2 reached iteration 1
+    p.on_event(UpdateArrived(2, 1), 0.4)
+    acts = p.on_event(MixRequested(1), 0.5)
+    assert any(isinstance(a, Mix) and a.k == 1 for a in acts), acts

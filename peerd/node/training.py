@@ -629,7 +629,8 @@ class TrainingRun:
                     kind, k, outgoing = item
                     await self.d.push_tensor(member.address, node, outgoing, iteration=k, kind=kind)
             except (TransferError, grpc.aio.AioRpcError) as e:
-                log.info("send to %s failed: %s", node, e)
+                what = item[0] if item[0] in ("grant", "notice") else f"update {item[1]}"
+                log.info("%s to %s failed: %s", what, node, e.code().name if isinstance(e, grpc.aio.AioRpcError) else e)
             finally:
                 self._settle(item)
 

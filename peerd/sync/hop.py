@@ -100,7 +100,6 @@ class Hop(Policy):
         self.want = -1                           # iteration whose mix was requested, not yet given
         self.mixed = -1                          # last iteration mixed
         self.skipped = 0
-        self.rewired: set[int] = set()           # out-edges created by a repair (fresh counters)
 
     # --- helpers ----------------------------------------------------------------------------
     def mode(self) -> str:
@@ -117,9 +116,11 @@ class Hop(Policy):
     def tokens(self, j: int) -> int:
         by_grant = self.max_ig + self.granted.get(j, 0) - self.spent.get(j, 0)  # type: ignore[operator]
         # j's newest tag is an iteration j has reached: a lower bound that never overstates its
-        # progress. It matters on an edge repaired mid-run, whose fresh counter cannot know how
-        # far ahead j already was (without it: j waits for my update, I wait for j's token).
-        s = self.seen.get(j) if j in self.rewired else None
+        # progress (tokens granted by j equal j's iteration). It matters on an edge repaired
+        # mid-run, whose fresh counter cannot know how far ahead j already was (without it: j
+        # waits for my update, I wait for j's token), and when a grant is lost (its RPC timed out
+        # on a congested link): j's next update makes up for it instead of a silent-peer timeout.
+        s = self.seen.get(j)
         return by_grant if s is None else max(by_grant, self.max_ig + s - self.k)  # type: ignore[operator]
 
     def _newest(self, j: int) -> int:
@@ -196,11 +197,9 @@ class Hop(Policy):
         before = set(old.out_neighbors(self.me, k))
         for j in self.live_out(k):
             if j not in before:
-                self.rewired.add(j)
                 self.granted[j] = self.spent[j] = max(self.k, 0)
                 if self.k >= 0:
                     out.append(Send(j, self.k))
-        self.rewired &= set(self.topo.out_neighbors(self.me, k)) - set(self.base.out_neighbors(self.me, k))
         ins = set(self.topo.in_neighbors(self.me, k))
         for j in list(self.held):
             if j not in ins:
