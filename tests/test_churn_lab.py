@@ -128,14 +128,16 @@ def test_partition_and_heal_on_two_sites(make_lab):
     print(f"stall per host during the cut: {stalls} (bound {bound} s); consensus distance at heal {apart:.3f}")
     assert max(stalls.values()) < bound, stalls
     # After the heal too: the side behind jumps to the side ahead (Hop's catch-up) instead of
-    # holding it at the token bound, where it used to be waited out as silent (10 s) again and again.
+    # holding it at the token bound, where it used to be waited out as silent (a stall of
+    # train_silent_peer_timeout, 10 s, again and again). Measured: 2.0-2.5 s on a quiet machine,
+    # 6.4-6.7 s at load 10-28.
     healed = {h: churn.longest_stall(r, t_heal, next(x["t"] for x in r if x.get("iteration", 0) >= r[-1]["iteration"]))
               for h, r in runs.items()}
     skipped = {h: r[-1].get("skipped", 0) for h, r in runs.items()}
     print(f"sides apart by {drift} iterations at the heal; stall per host after the heal: {healed}; "
           f"iterations skipped per host: {skipped}")
     assert drift > cfg.hop_max_ig, drift                # the case under test did happen
-    assert max(healed.values()) < bound, healed
+    assert max(healed.values()) < cfg.train_silent_peer_timeout, healed
     assert all(skipped[h] > 0 for h in slow), skipped  # the side behind jumped
     for h, r in runs.items():
         assert r[-1]["state"] == "done" and r[-1]["metric"] >= 0.8, (h, r[-1])
