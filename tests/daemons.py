@@ -53,8 +53,19 @@ def secret_file(tmp_path: Path) -> Path:
     return p
 
 
+def print_log_tails(daemons, lines: int = 40) -> None:
+    """The end of each daemon's and trainer's log: what a failed test's report shows (CI keeps
+    no files)."""
+    for d in daemons:
+        for log in [d.log_path, *sorted(Path(d.data_dir).glob("*.log"))]:
+            if not log.exists():
+                continue
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"----- {log} (last {len(tail)} lines) -----", *tail, sep="\n")
+
+
 @pytest.fixture
-def daemons(tmp_path: Path):
+def daemons(tmp_path: Path, request):
     """Factory: make(name, seeds=..., extra=...) starts a daemon; all are stopped at the end."""
     made: list[Daemon] = []
 
@@ -74,6 +85,9 @@ def daemons(tmp_path: Path):
     yield make
     for d in made:
         d.stop()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print_log_tails(made)
 
 
 def control_status(d, timeout: float = 5.0) -> dict | None:

@@ -56,3 +56,29 @@ def test_a_snapshot_being_served_is_not_reused_until_its_stream_is_done(tmp_path
         assert any(b.data_ptr() == ptr for b in [*run._pool, *run.own.values()])
 
     asyncio.run(go())
+
+
+def test_stop_answers_the_mix_a_trainer_waits_for_so_it_reaches_its_boundary(tmp_path):
+    """A trainer told to stop while its mix waits on neighbours (that are stopping too) gets that
+    mix at once, with nothing mixed (it keeps its own parameters), and so does any later one: it
+    stops within one local step, not after the silent-peer or mix timeouts (a stop of a 5-host run
+    once outlasted 120 s). A trainer that subscribes after the stop was sent gets the stop too."""
+    from peerd.v1 import control_pb2 as cpb
+
+    async def go():
+        run = _run(tmp_path)
+        run.d.cfg = dataclasses.replace(run.d.cfg, train_silent_peer_timeout=30.0, train_mix_timeout=30.0)
+        waiting = asyncio.get_running_loop().create_future()
+        run.mix_waiters[7] = waiting                       # what mix(7) holds while the policy waits
+        delivered = await run.direct(cpb.Directive(kind=cpb.Directive.KIND_STOP, reason="test"))
+        assert delivered == 0 and run.stop_requested
+        assert waiting.done() and list(waiting.result().entries) == [] and waiting.result().iteration == 7
+        run.mix_waiters.clear()
+        reply = await asyncio.wait_for(run.mix(cpb.MixRequest(iteration=8, slot=0)), 2.0)
+        assert reply.iteration == 8 and list(reply.entries) == []
+        stream = run.directives(None)
+        first = await asyncio.wait_for(stream.__anext__(), 2.0)
+        assert first.kind == cpb.Directive.KIND_STOP
+        await stream.aclose()
+
+    asyncio.run(go())

@@ -417,6 +417,10 @@ class TrainingRun:
                               iteration=max(d.iteration, await self._resume_point(), self.policy.k + 1))
         elif d.kind == kind.KIND_STOP:
             self.stop_requested = True
+            # The trainer stops at its next iteration boundary; a mix it waits for (on neighbours
+            # that are stopping too) must not hold it there: it keeps its own parameters.
+            for k in list(self.mix_waiters):
+                self._release_mix(k)
         for q in self.subscribers:
             q.put_nowait(d)
         self.progress.message = f"{kind.Kind.Name(d.kind).removeprefix('KIND_').lower()} sent to the trainer"
@@ -426,6 +430,8 @@ class TrainingRun:
     async def directives(self, context) -> Any:
         """The trainer's subscription: directives until the run ends or the trainer goes away."""
         q: asyncio.Queue = asyncio.Queue()
+        if self.stop_requested:   # a trainer (re)started after the stop was sent gets it too
+            q.put_nowait(cpb.Directive(kind=cpb.Directive.KIND_STOP, reason="the run was stopped"))
         self.subscribers.add(q)
         try:
             while not self.done.is_set():
@@ -930,7 +936,9 @@ class TrainingRun:
         fut = asyncio.get_running_loop().create_future()
         self.mix_waiters[k] = fut
         self.mix_slot = req.slot
-        if k == self.eager_k:
+        if self.stop_requested:
+            self._release_mix(k)
+        elif k == self.eager_k:
             self._answer_mix(k)              # requested at publish; answered now if computed
         else:
             self.feed(ev.MixRequested(k))
@@ -983,6 +991,12 @@ class TrainingRun:
         entries = [cpb.MixEntry(src=self.nodes[s], iteration=max(i, 0), weight=w) for s, i, w in mix.entries] \
             if used else []
         fut.set_result(cpb.MixReply(iteration=k, skip_to=skip, entries=entries))
+
+    def _release_mix(self, k: int) -> None:
+        """Answer mix k with nothing mixed: the trainer keeps its own x_k."""
+        fut = self.mix_waiters.get(k)
+        if fut is not None and not fut.done():
+            fut.set_result(cpb.MixReply(iteration=k))
 
     def _entry_buffer(self, src: int, k: int) -> torch.Tensor | None:
         if src == self.rank:
@@ -1103,6 +1117,10 @@ class TrainingRun:
                 self._announce(pb.TrainerNotice.STATE_FINISHED)
                 break
             if self.progress.state == "stopping":
+                break
+            if self.stop_requested:   # it was told to stop: a restart would train on, unasked
+                self.fail(f"trainer exited {code} after the stop directive (not restarted); see {log_path}")
+                self._announce(pb.TrainerNotice.STATE_FINISHED)
                 break
             self._announce(pb.TrainerNotice.STATE_ABSENT)
             self.progress.restarts += 1
