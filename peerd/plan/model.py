@@ -338,10 +338,20 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
     O = opts.overheads(n)
     rng = np.random.default_rng(opts.seed + 104729)
     lag = staleness or 0
+    lat = net.latency
     hist = [np.zeros(n)]                         # P(k), k = 0..
-    free: dict[tuple[int, int], float] = {}
+    link: dict[tuple[int, int], float] = {}      # (j, i): j's ordered queue to i may start its next item
+    grant_at: dict[tuple[int, int], dict[int, float]] = {}   # (j, i) -> {k: arrival at i of j's grant of k}
     C_hist: list[np.ndarray] = []
-    per = {}                                     # k mod period -> (edges, transfer times)
+    per = {}                                     # k mod period -> (edges, seconds on the wire)
+    # Grants travel j -> i for every edge i -> j (i spends tokens on i -> j, j grants them back).
+    gpairs = sorted({(j, i) for (i, j) in _edges(topo, 0)}) if max_ig is not None else []
+
+    def grant(j: int, i: int, m: int) -> None:
+        """j's grant after its mix of m, queued to i behind j's update m (the ordered sender)."""
+        start = max(hist[m + 1][j] - O[j], link.get((j, i), 0.0))
+        grant_at.setdefault((j, i), {})[m] = start + lat[j, i]
+        link[(j, i)] = start + lat[j, i] + lat[i, j]
     for k in range(K):
         C = comp.sample(rng)
         C_hist.append(C)
@@ -350,20 +360,21 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
         if key not in per:
             es = _edges(topo, k)
             r = net.rates({e: 1.0 for e in es})
-            per[key] = (es, {e: net.latency[e] + nbytes / r[e] for e in es})
+            per[key] = (es, {e: nbytes / r[e] for e in es})
         es, X = per[key]
-        # Arrival at i of j's iteration-(k - lag) model.
+        # Arrival at i of j's iteration-(k - lag) model, after j's grant of k - lag - 1 on the queue.
         src_k = k - lag
+        if max_ig is not None and src_k >= 1:
+            for (j, i) in gpairs:
+                grant(j, i, src_k - 1)
         arr = np.full((n, n), -np.inf)
         if src_k >= 0:
             Ps, Cs = hist[src_k], C_hist[src_k]
             es_src, X_src = per.get(src_k % topo.period, (es, X))
             for (j, i) in es_src:
-                start = Ps[j] + (0.0 if overlap else Cs[j])
-                start = max(start, free.get((j, i), 0.0))
-                done = start + X_src[(j, i)]
-                free[(j, i)] = done - net.latency[j, i]
-                arr[i, j] = done
+                start = max(Ps[j] + (0.0 if overlap else Cs[j]), link.get((j, i), 0.0))
+                arr[i, j] = start + X_src[(j, i)] + lat[j, i]
+                link[(j, i)] = arr[i, j] + lat[i, j]      # the push's reply frees the queue
         need = np.full(n, -np.inf)
         for i in range(n):
             row = arr[i][np.isfinite(arr[i])]
@@ -375,10 +386,9 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
                     need[i] = np.sort(row)[want - 1]
             else:
                 need[i] = row.max()
-        if max_ig is not None and k + 1 - max_ig >= 0:
-            Pt = hist[k + 1 - max_ig]
-            for (j, i) in es:                    # i -> j is an out-edge of i when j -> i is an in-edge
-                need[i] = max(need[i], Pt[j] + net.latency[j, i])
+        if max_ig is not None and k - max_ig >= 0:
+            for (j, i) in gpairs:                # i may leave k once j granted k - max_ig
+                need[i] = max(need[i], grant_at[(j, i)].pop(k - max_ig))
         mix = np.maximum(P + C, need)
         if used is not None and k >= 3 * K // 4:
             for (j, i) in es:

@@ -7,8 +7,16 @@ Model:
   worker publishes k+1 (or Skip's target) at once.
 - compute_time = base * factor_i * (slow_factor with probability p_slow, drawn per iteration).
 - Links are directed FIFO pipes: a message of B bytes on link a->b starts when the link is free,
-  occupies it B / bandwidth[a, b] seconds, and arrives latency[a, b] later. Control messages (tokens,
-  pull requests without data) take the latency only.
+  occupies it B / bandwidth[a, b] seconds, and arrives latency[a, b] later. Control messages (pull
+  requests without data) take the latency only.
+- Sender (`sender="daemon"`, the default: what peerd.node.training does): a worker's pushes (Send)
+  and token grants (Grant) to one destination go through one ordered queue, and each is an RPC whose
+  reply is awaited before the next starts. An update starts when the queue's previous item was
+  answered (and the link is free), arrives bytes / bandwidth + latency[a, b] later, and the next
+  item starts latency[b, a] after that (the reply); a grant arrives latency[a, b] after it starts
+  and holds the queue one round trip. So a grant never overtakes an update queued before it. Pull
+  answers and a Pull's carried model are RPCs of their own (not queued). `sender="pipe"`: the
+  older abstraction, updates back to back on the pipe, grants after the latency only.
 - A crashed worker stops at its crash time; messages to it are lost; every other worker gets
   PeerDown after `detect` seconds.
 - A late joiner (`join`: worker -> time) is absent from the start: every policy hears PeerDown for
@@ -68,6 +76,7 @@ class SimSpec:
     cond: float = 4.0
     estimates: str = "none"            # none | arrival | pull: which matrix LinkEstimates carries
     bandwidth_changes: dict[float, Any] = field(default_factory=dict)  # time -> new bandwidth
+    sender: str = "daemon"             # daemon | pipe: see the module docstring
 
 
 @dataclass
@@ -148,7 +157,11 @@ class Simulator:
         self.now = 0.0
         self.heap: list[tuple[float, int, int, int, Any]] = []
         self.seq = 0
+        if spec.sender not in ("daemon", "pipe"):
+            raise ValueError(f"sender: expected daemon or pipe, got {spec.sender!r}")
         self.link_free: dict[tuple[int, int], float] = {}
+        self.queue_free: dict[tuple[int, int], float] = {}   # sender="daemon": next queued item may start
+        self.serving = False              # handling a PullRequested: a Send is the pull's answer
         self.k = [-1] * n                 # published iteration
         self.computed = [0] * n
         self.alive = [True] * n
@@ -177,13 +190,21 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, i, payload))
 
-    def _transmit(self, a: int, b: int, nbytes: int) -> float:
-        """Arrival time at b of nbytes sent now on link a->b."""
-        if nbytes == 0:
+    def _transmit(self, a: int, b: int, nbytes: int, queued: bool = False) -> float:
+        """Arrival time at b of nbytes sent now on link a->b. `queued` (sender="daemon"): an item of
+        a's ordered queue to b, which starts once the previous item's reply is back and holds the
+        queue until its own reply is (see the module docstring)."""
+        queued = queued and self.spec.sender == "daemon"
+        if nbytes == 0 and not queued:
             return self.now + self.lat[a, b]
         start = max(self.now, self.link_free.get((a, b), 0.0))
+        if queued:
+            start = max(start, self.queue_free.get((a, b), 0.0))
         end = start + nbytes / self.bw[a, b]
-        self.link_free[(a, b)] = end
+        if nbytes:
+            self.link_free[(a, b)] = end
+        if queued:
+            self.queue_free[(a, b)] = end + self.lat[a, b] + self.lat[b, a]
         self.bytes += nbytes
         return end + self.lat[a, b]
 
@@ -258,7 +279,7 @@ class Simulator:
                     if ok != a.k:
                         raise SimError(f"worker {i}: Send of iteration {a.k}, published is {ok}")
                 if self.alive[a.dst]:
-                    at = self._transmit(i, a.dst, self.msg_bytes)
+                    at = self._transmit(i, a.dst, self.msg_bytes, queued=not self.serving)
                     self._push(at, _DELIVER, a.dst, (UpdateArrived(i, a.k), data))
             elif t is Mix:
                 if self.X is not None:
@@ -274,7 +295,8 @@ class Simulator:
                 nxt = a.to
             elif t is Grant:
                 if self.alive[a.dst]:
-                    self._push(self.now + self.lat[i, a.dst], _DELIVER, a.dst, (TokensArrived(i, a.n), None))
+                    at = self._transmit(i, a.dst, 0, queued=True)
+                    self._push(at, _DELIVER, a.dst, (TokensArrived(i, a.n), None))
             elif t is Pull:
                 carried = a.carry_k >= 0
                 data = None
@@ -397,7 +419,11 @@ class Simulator:
                 ev, data = payload
                 if type(ev) is UpdateArrived or (type(ev) is PullRequested and ev.carried):
                     self.recv[i][(ev.src, ev.k)] = data
-                self._act(i, self.pol[i].on_event(ev, t))
+                self.serving = type(ev) is PullRequested
+                try:
+                    self._act(i, self.pol[i].on_event(ev, t))
+                finally:
+                    self.serving = False
             elif kind == _COMPUTED:
                 if not self.alive[i] or self.k[i] != payload:
                     continue
