@@ -41,13 +41,24 @@ Synchronous decentralized (D-PSGD on ring / torus / one-peer exp / AER / complet
 directed one-peer exponential graph, Hop standard, backup b, staleness s): a max-plus recursion on
 publish times P_i(k), evaluated along one seeded sample path of K iterations (ours; [P4] §4.2 writes
 the one-step form T = max(E[max_{j in group} C_j], T_comm) + O, which this reproduces when the
-recursion has no memory):
-      A_{j->i}(k) = start_{j->i}(k) + X_{j->i}        start = max(P_j(k) [+ C_j(k) if no overlap],
-                                                                 link j->i free)   (FIFO pipes)
+recursion has no memory). The sends are the daemon's (peerd.node.training): one ordered queue per
+neighbour j -> i carries j's updates and, for Hop, its token grants to i, in the order the policy
+emits them (update k, grant after the mix of k, update k+1, ...); each is an RPC whose reply j
+awaits before the queue's next item, so an update holds the queue for its bytes plus a round trip
+and a grant for a round trip. With F_{j->i} the time the queue may start its next item:
+      A_{j->i}(k) = S + M / r_ji + lat_ji     S = max(P_j(k) [+ C_j(k) if no overlap], F_{j->i});
+                                               then F_{j->i} = A_{j->i}(k) + lat_ij
+      G_{j->i}(k) = S' + lat_ji               S' = max(P_j(k+1) - O_j (j's mix of k), F_{j->i});
+                                               then F_{j->i} = S' + lat_ji + lat_ij
       gather_i(k) = max_{j in N_in(i,k)} A_{j->i}(k)                 standard / D-PSGD / SGP
                   = (|N_in| - b)-th smallest A_{j->i}(k)             Hop backup b (order statistic)
                   = max_j A_{j->i}(k - s)                            Hop staleness s
-      tokens_i(k) = max_{j in N_out(i)} P_j(k + 1 - max_ig) + lat_ji  Hop token queues (gap bound)
+      tokens_i(k) = max_{j in N_out(i)} G_{j->i}(k - max_ig)         Hop token queues (gap bound:
+                    i leaves k once every out-neighbour j granted its step k - max_ig; the grant
+                    waits behind j's updates queued to i before it, so on a slow cut the updates'
+                    arrival bounds the ring even where backup mixes without them; the policy's
+                    other token source, j's newest update k + 1 - max_ig, comes after that grant
+                    on the same queue, so it never binds first)
       P_i(k+1)    = max(P_i(k) + C_i(k), gather_i(k), tokens_i(k)) + O_i
   T = (max_i P_i(K) - max_i P_i(K0)) / (K - K0), K0 = K/4 burn-in. With no spread this is the
   max cycle mean of the graph (exact). With spread, note the difference from [P4]'s
@@ -70,17 +81,19 @@ time is its own):
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
 than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
-peerd.sim runs them timing-only with Gaussian compute (mean_i + O_i, std_i) and the shared rates
-r_ji of the topology's flows as per-pair bandwidths; T = mean over hosts of each host's finish
+peerd.sim runs them timing-only with Gaussian compute (mean_i + O_i, std_i), the shared rates
+r_ji of the topology's flows as per-pair bandwidths and the daemon's ordered sender (SimSpec
+sender="daemon": the queue above, grants included); T = mean over hosts of each host's finish
 time / its iterations. Overlap only:
 peerd's runtime always overlaps (the trainer publishes x_k before computing its gradient).
 
 Decentralized rows with overlap=True are what `peerd train` runs; overlap=False rows show what the
 overlap buys. Splitting (ours): the edges whose updates the mixes actually used in steady state (in
 hand at the mix; the last quarter of the sample path, the last half of a simulation) must connect
-every host; Hop's backup mode on a slow cut can run at the fast side's pace only because every
-update across the cut arrives too late and is dropped, so the sites never mix: such rows are marked
-`splits` and never recommended. The recommendation is the fastest runnable row that does not split. Per-iteration time only: the model
+every host. Hop's backup mode on a slow cut never mixes an update across it (the grants bound each
+side to max_ig iterations past what it received, so every cross update arrives about max_ig
+iterations after its receiver mixed that iteration and is dropped), yet runs at the cut's pace
+(the grants ride behind those updates): such rows are marked `splits` and never recommended. The recommendation is the fastest runnable row that does not split. Per-iteration time only: the model
 says nothing about how many iterations each algorithm needs to reach a loss.
 """
 from __future__ import annotations
