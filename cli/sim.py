@@ -77,12 +77,15 @@ def _table(records: list[dict]) -> str:
 @click.option("--noise", type=float, default=0.01, show_default=True, help="gradient noise")
 @click.option("--crash", multiple=True, help="WORKER:TIME, a worker crashes (repeatable)")
 @click.option("--timing-only", is_flag=True, help="protocol only, no parameters (very large N)")
+@click.option("--sender", type=click.Choice(["daemon", "pipe"]), default="daemon", show_default=True,
+              help="daemon: one ordered queue of pushes and grants per neighbour, each RPC's reply "
+                   "awaited (what peerd does); pipe: updates back to back, grants after the latency only")
 @click.option("--no-stop", is_flag=True, help="run all iterations even after the target is reached")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per algorithm")
 def sim(scen, workers, algos, topology, weighting, params, iterations, compute, straggler, p_slow,
         slow_factor, bandwidth, latency, sites, inter_site_slowdown, lr, target, hetero, noise, crash,
-        timing_only, no_stop, seed, as_json) -> None:
+        timing_only, sender, no_stop, seed, as_json) -> None:
     """Simulate N workers running sync policies; report time to target, iterations, idle, bytes.
 
     The objective is least squares on non-i.i.d. synthetic shards; time to target is the simulated
@@ -104,7 +107,7 @@ def sim(scen, workers, algos, topology, weighting, params, iterations, compute, 
                            factors=_pairs(straggler, "FACTOR"), p_slow=p_slow, slow_factor=slow_factor,
                            bandwidth=bw, latency=latency, lr=lr, target=target, hetero=hetero,
                            noise=noise, crash=_pairs(crash, "TIME"), timing_only=timing_only,
-                           stop_at_target=not no_stop and not timing_only, seed=seed)
+                           stop_at_target=not no_stop and not timing_only, seed=seed, sender=sender)
             records = []
             for a in algos or (cfg.sync_algorithm,):
                 r = run(a, spec, topology or cfg.sync_topology, weighting=weighting,
