@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# compileall: the tests start hundreds of daemons, trainers and CLIs; with PYTHONDONTWRITEBYTECODE
+# set (as on CI machines) each would compile peerd from source again.
 test: venv
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m compileall -q peerd cli >/dev/null
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 demo: venv
 	$(VENV)/bin/peerd demo
