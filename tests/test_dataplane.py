@@ -11,7 +11,7 @@ import torch
 
 from peerd.config import Config
 from peerd.net import tensorwire as tw
-from peerd.net.dataplane import (AUTH_KEY, PULL_METHOD, PUSH_METHOD, Outgoing, Snapshot, TransferError,
+from peerd.net.dataplane import (AUTH_KEY, CUT_SHORT_DETAILS, PULL_METHOD, PUSH_METHOD, Outgoing, Snapshot, TransferError,
                                  grpc_options)
 from peerd.v1 import peer_pb2 as pb
 from peerd.v1 import peer_pb2_grpc as pb_grpc
@@ -226,6 +226,11 @@ def _bad_cases():
     }
 
 
+# cases the receiver refuses before the sender has written every frame
+REFUSED_MID_STREAM = {"second_header", "out_of_order", "chunk_first", "garbage", "layout_total", "layout_wire",
+                      "dtype", "run", "sender", "kind", "algo", "more_bytes", "too_large"}
+
+
 @pytest.mark.parametrize("case", list(_bad_cases()))
 def test_bad_stream_is_refused_counted_and_never_delivered(case, caplog):
     frames, code, reason = _bad_cases()[case]
@@ -233,7 +238,11 @@ def test_bad_stream_is_refused_counted_and_never_delivered(case, caplog):
     async def main():
         async with nodes("a", "b", config=SMALL) as (a, b):
             got, details = await raw_push(a.channel(b), frames)
-            assert got == code and details.startswith(reason), (got, details)
+            cut_short = got == grpc.StatusCode.INTERNAL and details.startswith(CUT_SHORT_DETAILS)
+            # the receiver's status can be lost when it refuses before the sender is done writing
+            # (grpc/grpc#36066); the receiver's count and log below still name the exact reason
+            assert (got == code and details.startswith(reason)) or (cut_short and case in REFUSED_MID_STREAM), \
+                (got, details)
             assert b.dp.rejected[reason] == 1
             assert b.inbox.empty() and b.dp.budget.used_total == 0
             # the server still serves a correct transfer afterwards
@@ -244,6 +253,16 @@ def test_bad_stream_is_refused_counted_and_never_delivered(case, caplog):
     with caplog.at_level("WARNING", logger="peerd.dataplane"):
         run(main())
     assert any(reason in r.getMessage() for r in caplog.records)
+
+
+def test_sender_names_a_push_the_receiver_cut_short():
+    """A refusal that gRPC aio reports as INTERNAL (grpc/grpc#36066) is named as such, not as a bug."""
+    from peerd.net.dataplane import _reason
+    md = grpc.aio.Metadata()
+    cut = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, md, md, CUT_SHORT_DETAILS)
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, md, md, "bad_layout: tensor 0")
+    other = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, md, md, "Exception deserializing")
+    assert (_reason(cut), _reason(refused), _reason(other)) == ("cut_short", "bad_layout", "internal")
 
 
 def test_unauthenticated_and_stalled_senders():

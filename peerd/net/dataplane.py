@@ -612,7 +612,10 @@ class DataPlane:
                                      timeout=timeout or self.deadline(prep.wire_bytes))
                 except grpc.aio.AioRpcError as e:
                     self.counters["pushes_failed"] += 1
-                    raise TransferError(_reason(e), f"push to {peer}: {e.details()}", e.code()) from None
+                    reason = _reason(e)
+                    details = ("the receiver ended the stream before reading all of it (it refused the push; "
+                               "its log says why)" if reason == "cut_short" else e.details())
+                    raise TransferError(reason, f"push to {peer}: {details}", e.code()) from None
             finally:
                 prep.release()
         reply = pb.TransferReply.FromString(raw)
@@ -817,9 +820,17 @@ def _compression(value: int | str) -> int:
     return value
 
 
+# grpc aio (grpc/grpc#36066): when a receiver refuses a push while the sender is still writing, the
+# sender's failed write can replace the receiver's status with this one. The receiver counts and
+# logs its real reason; the sender can only say that the stream was cut short.
+CUT_SHORT_DETAILS = "Internal error from Core"
+
+
 def _reason(e: grpc.aio.AioRpcError) -> str:
     """The receiver's reason label from 'reason: details', else the status code name."""
     details = e.details() or ""
+    if e.code() == grpc.StatusCode.INTERNAL and details.startswith(CUT_SHORT_DETAILS):
+        return "cut_short"
     head = details.split(":", 1)[0]
     return head if head.replace("_", "").isalpha() and head.islower() else e.code().name.lower()
 
