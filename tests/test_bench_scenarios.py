@@ -55,7 +55,7 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     res = CliRunner().invoke(cli, ["bench", "scenarios", "--out", str(out), "--scenario", "straggler",
                                    "--contender", "ddp", "--contender", "hop-backup-skip", "--hosts", "3",
                                    "--iterations", "20", "--seeds", "1", "--target", "0.2",
-                                   "--step-time", "0.05", "--json", str(tmp_path / "r.jsonl")],
+                                   "--step-time", "0.05", "--non-iid", "--json", str(tmp_path / "r.jsonl")],
                                   env={"PEERD_LAB_READY_TIMEOUT": "60"})   # a loaded CI machine
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
@@ -92,6 +92,7 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     for name in ("straggler-accuracy.png", "straggler-progress.png", "straggler-links.png"):
         assert (out / name).stat().st_size > 1000, name
     assert "| straggler | hop-backup-skip |" in (out / "report.md").read_text()
+    assert "non-iid (label-sorted) shards" in (out / "report.md").read_text()   # both contenders ran with it
     assert "| straggler | ddp | h1 |" in (out / "report.md").read_text()      # the time split
     chk = CliRunner().invoke(cli, ["plan", "check", str(tmp_path / "r.jsonl")])
     assert chk.exit_code in (0, 1) and "straggler        ddp" in chk.output, chk.output

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", required=True)
     ap.add_argument("--iterations", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--non-iid", action="store_true", help="label-sorted shards, as `peerd train --non-iid`")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--slowdown", type=float, default=float(os.environ.get("PEERD_SLOWDOWN", "1") or 1))
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     model = DDP(task.build(args.seed))
     opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0),
                           weight_decay=hp.get("weight_decay", 0.0))
-    batches = task.batches(task.shard(rank, world, False, args.seed), batch_size, args.seed)
+    batches = task.batches(task.shard(rank, world, args.non_iid, args.seed), batch_size, args.seed)
     pace = Pace(args.step_time, max(1.0, args.slowdown), args.slow_prob, args.slow_factor, args.seed, rank)
 
     dist.barrier()  # every rank starts its first step together, as the peerd runs do

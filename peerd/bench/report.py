@@ -247,7 +247,8 @@ def write(run_dir: Path) -> Path:
     steps = [r for r in records if "step_time_mean" in r]
     body = [f"# peerd bench scenarios: {run_dir.name}", "",
             f"Task {st['task']} ({meta['model_bytes'] / 1e6:.2f} MB of parameters per model), {st['iterations']} "
-            f"iterations, emulated compute {st['step_time']:g} s per step x slowdown, topology {st['topology']}, "
+            f"iterations, emulated compute {st['step_time']:g} s per step x slowdown, topology {st['topology']}"
+            f"{', non-iid (label-sorted) shards' if st.get('non_iid') else ''}, "
             f"target accuracy {st['target']:.0%}, {meta['seeds']} seed(s).", ""]
     for sc in meta["scenarios"]:
         body.append(f"- **{sc}**: {meta['descriptions'].get(sc, '')}")

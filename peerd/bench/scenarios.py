@@ -72,6 +72,7 @@ class Settings:
     target: float = 0.85
     step_time: float = 0.1        # emulated compute seconds per step on a host with slowdown 1
     topology: str = "ring"
+    non_iid: bool = False         # label-sorted shards: each host sees few classes, so mixing decides accuracy
     hosts: int | None = None      # override every scenario's host count (tests)
 
     @classmethod
@@ -255,7 +256,7 @@ def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run
                    "--iterations", str(st.iterations), "--seed", str(seed), "--eval-every", str(st.eval_every),
                    "--topology", st.topology, "--slowdown", f"{lb.slowdown(h):g}", "--step-time", str(st.step_time),
                    "--slow-prob", str(sc.slow_prob), "--slow-factor", str(sc.slow_factor), "--trace", "--json",
-                   "--join-timeout", str(cfg.bench_swarm_timeout))
+                   "--join-timeout", str(cfg.bench_swarm_timeout), *(["--non-iid"] if st.non_iid else []))
         with open(files.progress[h], "w") as fh:  # a file, not a pipe: a full pipe would stall the stream
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True))
     # the trainers' checkpoint dirs appear once the run forms; the watcher finds them as they do
@@ -313,7 +314,8 @@ def run_ddp(lb: lab.Lab, sc: Scenario, seed: int, st: Settings, run_dir: Path, c
                    "--seed", str(seed), "--eval-every", str(st.eval_every), "--step-time", str(st.step_time),
                    "--slowdown", f"{lb.slowdown(h):g}", "--slow-prob", str(sc.slow_prob),
                    "--slow-factor", str(sc.slow_factor), "--timeout", str(cfg.bench_gloo_timeout),
-                   "--trace", str(files.trace[h]), "--progress", str(files.progress[h]), "--model-out", str(model))
+                   "--trace", str(files.trace[h]), "--progress", str(files.progress[h]), "--model-out", str(model),
+                   *(["--non-iid"] if st.non_iid else []))
         with open(run_dir / f"{h}.log", "w") as fh:
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env))
     try:
@@ -549,7 +551,8 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
             "descriptions": {s: SCENARIOS[s].description for s in scenarios}}
     if (out / "meta.json").exists():  # adding scenarios or contenders to a run: same settings only
         old = json.loads((out / "meta.json").read_text())
-        if old["settings"] != meta["settings"]:
+        # a setting added since that run (e.g. non_iid) counts as its default
+        if {**asdict(Settings()), **old["settings"]} != meta["settings"]:
             raise ValueError(f"{out} holds a run with other settings ({old['settings']}); use another --out")
         meta["scenarios"] = old["scenarios"] + [s for s in scenarios if s not in old["scenarios"]]
         meta["contenders"] = old["contenders"] + [c for c in contenders if c not in old["contenders"]]
