@@ -242,6 +242,8 @@ class Config:
     plan_backward_fraction: float = _f(0.67, "share of a step that is the backward pass, which DDP overlaps "
                                              "its gradient all-reduce with")
     plan_bucket_bytes: int = _f(25 << 20, "DDP gradient bucket, bytes: the last bucket's all-reduce is never hidden")
+    plan_first_bucket_bytes: int = _f(1 << 20, "DDP's first gradient bucket, bytes (torch's default 1 MiB): "
+                                                "each bucket is one all-reduce, paying the ring's latencies")
     plan_unshaped_rate: float = _f(1.25e9, "bytes/s the runtime model assumes for a lab pair with no rate "
                                            "(unshaped) or a link nobody measured yet")
     plan_base_latency: float = _f(5e-5, "one-way seconds the runtime model adds to every lab pair (veth, bridge)")
@@ -295,6 +297,12 @@ class Config:
                                   scope="bench")
     bench_swarm_timeout: float = _f(180.0, "seconds the lab's daemons may take to list each other as alive",
                                     scope="bench")
+    bench_quiet_rate: float = _f(1e6, "bytes/s every lab host must send less than, over bench_quiet_window, "
+                                      "before a scenario's first run: the daemons' link warm-up is over",
+                                 scope="bench")
+    bench_quiet_window: float = _f(5.0, "seconds of the quiet check (bench_quiet_rate)", scope="bench")
+    bench_quiet_timeout: float = _f(240.0, "bound on the wait for a quiet lab; past it the runs start anyway "
+                                           "and the scenario's records say so", scope="bench")
 
     # --- late joiners: a run that admits new hosts (issue 8; peerd/node/joining.py) -------------
     train_max_world: int = _f(0, "hosts a run may grow to by late joiners when `peerd train` gives no "

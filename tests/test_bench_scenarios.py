@@ -56,7 +56,9 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
                                    "--contender", "ddp", "--contender", "hop-backup-skip", "--hosts", "3",
                                    "--iterations", "20", "--seeds", "1", "--target", "0.2",
                                    "--step-time", "0.05", "--non-iid", "--json", str(tmp_path / "r.jsonl")],
-                                  env={"PEERD_LAB_READY_TIMEOUT": "60"})   # a loaded CI machine
+                                  env={"PEERD_LAB_READY_TIMEOUT": "60",   # a loaded CI machine
+                                       # the quiet check passes at once: the warm-up wait would take a minute
+                                       "PEERD_BENCH_QUIET_RATE": "1e12", "PEERD_BENCH_QUIET_WINDOW": "1"})
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["contender"] for r in recs] == ["ddp", "hop-backup-skip"]
@@ -79,6 +81,8 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
         assert r["per_host"]["h1"]["compute_mean_s"] > 3 * r["per_host"]["h2"]["compute_mean_s"]
         assert r["split"]["compute_mean_s"] > 0
         assert len(r["load_avg"]) == 2 and min(r["load_avg"]) >= 0
+        assert 0.0 <= r["tcp_retransmitted"] <= 1.0       # read from each namespace's /proc/net/snmp
+        assert 1.0 <= r["lab_quiet_after_s"] < 30
     ddp = recs[0]
     # synchronous all-reduce: every rank does every iteration, at the straggler's pace
     assert all(v["steps"] == 20 for v in ddp["per_host"].values())

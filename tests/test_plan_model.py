@@ -110,11 +110,31 @@ def test_overlap_on_and_off():
     # DDP hides the all-reduce behind the backward pass only (f_bw = 0.67 of C), one bucket here.
     assert rel(predict_one(net, comp, M, "ddp", "ring", o, overlap=False), C + ar) < 1e-9
     assert rel(predict_one(net, comp, M, "ddp", "ring", o, overlap=True), C + ar) < 1e-9   # 1 bucket: exposed
-    o4 = Options(bucket_bytes=int(M // 4), backward_fraction=0.67)
+    o4 = Options(bucket_bytes=int(M // 4), first_bucket_bytes=int(M // 4), backward_fraction=0.67)
     assert rel(predict_one(net, comp, M, "ddp", "ring", o4, overlap=True), C + max(ar - 0.67 * C, ar / 4)) < 1e-9
     # The overhead is paid once per iteration.
     oh = Options(overhead=0.05)
     assert rel(predict_one(net, comp, M, "d-psgd", "ring", oh), 1.05) < 1e-6
+
+
+def test_ddp_pays_the_ring_latencies_once_per_bucket():
+    """DDP's first bucket is 1 MiB: a model just over it is two all-reduces, each with 2(n-1)
+    latencies (digits-wide: buckets of 1,093,672 and 4,992 bytes, read from DDP's logging data)."""
+    n, L, B, C = 6, 0.02, 50e6 / 8, 0.1
+    net = Network.uniform(n, B, L)
+    comp = Compute.of(n, C)
+    o = Options()
+    assert model.ddp_buckets(1.10e6, o) == [1 << 20, 1.10e6 - (1 << 20)]
+    assert model.ddp_buckets(1000.0, o) == [1000.0]
+    assert model.ddp_buckets(float((1 << 20) + 2 * (25 << 20)), o) == [1 << 20, 25 << 20, 25 << 20]
+    one = C + 2 * (n - 1) * (L + 1.10e6 / n / B)
+    two = C + 2 * (n - 1) * (L + (1 << 20) / n / B) + 2 * (n - 1) * (L + (1.10e6 - (1 << 20)) / n / B)
+    assert rel(predict_one(net, comp, 1.10e6, "ddp", "ring", o, overlap=False), two) < 1e-9
+    assert two - one > 2 * (n - 1) * L * 0.99          # the second bucket's latencies
+    # with overlap only the last bucket is surely exposed
+    last = 2 * (n - 1) * (L + (1.10e6 - (1 << 20)) / n / B)
+    assert rel(predict_one(net, comp, 1.10e6, "ddp", "ring", o, overlap=True),
+               C + max(two - C - 0.67 * C, last)) < 1e-9
 
 
 def test_straggler():

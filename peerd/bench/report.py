@@ -84,11 +84,12 @@ SPLIT = (("iteration", "iter_time_s"), ("step", "step_s"), ("compute", "compute_
 def split_table(records: list[dict[str, Any]]) -> str:
     """Markdown: where each host's time goes (steady part, medians over seeds; records without the
     split are left out): seconds per iteration (skipped ones count), then per computed step:
-    compute + wait + mix + other = step; the link's busy time overlaps the others."""
+    compute + wait + mix + other = step; the link's busy time overlaps the others. Last, the share
+    of the host's TCP segments that were retransmissions (a shaped queue's drops)."""
     rows = [r for r in records if r.get("per_host") and all(v.get("wait_s") is not None for v in r["per_host"].values())]
     if not rows:
         return ""
-    head = "| scenario | contender | host | " + " | ".join(name for name, _ in SPLIT) + " |"
+    head = "| scenario | contender | host | " + " | ".join(name for name, _ in SPLIT) + " | TCP resent |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     by: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
@@ -100,6 +101,9 @@ def split_table(records: list[dict[str, Any]]) -> str:
                 vals = [r["per_host"][h].get(key) for r in rs if h in r["per_host"]]
                 vals = [v for v in vals if v is not None]
                 cells.append(f"{_median(vals):.3f}" if vals else "")
+            resent = [r["per_host"][h].get("tcp_retransmitted") for r in rs if h in r["per_host"]]
+            resent = [v for v in resent if v is not None]
+            cells.append(f"{100 * _median(resent):.1f}%" if resent else "")
             lines.append(f"| {sc} | {c} | {h} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

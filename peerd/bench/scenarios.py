@@ -95,24 +95,35 @@ def _py(*args: str) -> list[str]:
 
 
 class TxSampler:
-    """Each lab host's eth0 tx byte counter, sampled every `interval` seconds from
-    /proc/<daemon pid>/net/dev (the daemon lives in the host's namespace; no process spawned per
-    sample), so a run's bytes count only between its first step and its last, not its startup."""
+    """Each lab host's eth0 tx byte counter and its TCP segment counters (sent, retransmitted),
+    sampled every `interval` seconds from /proc/<daemon pid>/net/{dev,snmp} (the daemon lives in
+    the host's namespace; no process spawned per sample), so a run's bytes count only between its
+    first step and its last, not its startup. Retransmissions say how much of a shaped link's time
+    went to resending what its queue dropped."""
+
+    BYTES, TCP_OUT, TCP_RETRANS = 1, 2, 3    # fields of a sample (0 is its time)
 
     def __init__(self, lb: lab.Lab, interval: float) -> None:
         pids = {p["role"]: p["pid"] for p in lb.state["processes"]}
         self.paths = {h: Path(f"/proc/{pids[f'daemon:{h}']}/net/dev") for h in lb.hosts}
-        self.samples: dict[str, list[tuple[float, int]]] = {h: [] for h in lb.hosts}
+        self.samples: dict[str, list[tuple[float, int, int, int]]] = {h: [] for h in lb.hosts}
         self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _read(self, h: str) -> int:
+    def _read(self, h: str) -> tuple[int, int, int]:
+        tx = None
         for line in self.paths[h].read_text().splitlines():
             name, _, rest = line.partition(":")
             if name.strip() == "eth0":
-                return int(rest.split()[8])
-        raise RuntimeError(f"{h}: no eth0 in {self.paths[h]}")
+                tx = int(rest.split()[8])
+        if tx is None:
+            raise RuntimeError(f"{h}: no eth0 in {self.paths[h]}")
+        # /proc/net/snmp: a "Tcp:" line of names, then one of values
+        tcp = [line.split()[1:] for line in (self.paths[h].parent / "snmp").read_text().splitlines()
+               if line.startswith("Tcp:")]
+        counters = dict(zip(tcp[0], map(int, tcp[1]))) if len(tcp) == 2 else {}
+        return tx, counters.get("OutSegs", 0), counters.get("RetransSegs", 0)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -122,7 +133,7 @@ class TxSampler:
     def sample(self) -> None:
         for h in self.samples:
             try:
-                self.samples[h].append((time.time(), self._read(h)))
+                self.samples[h].append((time.time(), *self._read(h)))
             except (OSError, RuntimeError):
                 pass  # the daemon is gone: the run's own error says why
 
@@ -135,9 +146,10 @@ class TxSampler:
         self._thread.join(5)
         self.sample()
 
-    def between(self, h: str, t0: float, t1: float) -> int:
-        """Bytes sent from wall time t0 to t1, linearly interpolated between samples."""
-        pts = self.samples[h]
+    def between(self, h: str, t0: float, t1: float, field: int = BYTES) -> int:
+        """Bytes (or another field's count) from wall time t0 to t1, linearly interpolated
+        between samples."""
+        pts = [(p[0], p[field]) for p in self.samples[h]]
 
         def at(t: float) -> float:
             if not pts:
@@ -150,6 +162,16 @@ class TxSampler:
             return pts[-1][1]
         return int(at(t1) - at(t0))
 
+    def retransmitted(self, h: str, t0: float, t1: float) -> float | None:
+        """Share of the TCP segments h sent from t0 to t1 that were retransmissions."""
+        out = self.between(h, t0, t1, self.TCP_OUT)
+        return self.between(h, t0, t1, self.TCP_RETRANS) / out if out > 0 else None
+
+
+def _mean_known(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
 
 def _cli_json(lb: lab.Lab, host: str, *args: str, timeout: float = 60.0) -> Any:
     """`peerd ARGS --json` on host; None when it fails or exceeds timeout (a loaded machine)."""
@@ -158,6 +180,27 @@ def _cli_json(lb: lab.Lab, host: str, *args: str, timeout: float = 60.0) -> Any:
     except subprocess.TimeoutExpired:
         return None
     return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) -> float | None:
+    """Seconds until no host sent more than bench_quiet_rate bytes/s over one bench_quiet_window;
+    None when bench_quiet_timeout passed first. A new lab's daemons warm up their link estimates
+    with back-to-back probes over every link for a minute or two (measured on two-sites-6: 2-30 MB/s
+    per host, thousands of TCP retransmissions across the 50 Mbit cut, then 0.05 MB/s of
+    heartbeats with a settle probe now and then); a scenario's first contender measured during
+    that shares its links with the probes, which is not what a user of either tool sees."""
+    sampler = TxSampler(lb, cfg.bench_quiet_window)
+    t0 = time.monotonic()
+    prev = {h: sampler._read(h)[0] for h in lb.hosts}
+    while time.monotonic() - t0 < cfg.bench_quiet_timeout:
+        time.sleep(cfg.bench_quiet_window)
+        cur = {h: sampler._read(h)[0] for h in lb.hosts}
+        busiest = max((cur[h] - prev[h]) / cfg.bench_quiet_window for h in lb.hosts)
+        if busiest < cfg.bench_quiet_rate:
+            return time.monotonic() - t0
+        echo(f"       waiting for the daemons' link warm-up to end: busiest host sends {busiest / 1e6:.1f} MB/s")
+        prev = cur
+    return None
 
 
 def _wait_swarm(lb: lab.Lab, timeout: float) -> dict[str, str]:
@@ -470,7 +513,8 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
         per_host[h] = {"rank": ranks[-1] if ranks else None,   # the ring order of the run
                        "steps": len(tr), "last_iteration": tr[-1]["it"], "duration_s": dur,
                        "it_per_s": len(tr) / dur, "idle_fraction": max(0.0, 1 - comp / dur),
-                       "bytes_sent": tx[h], **v}
+                       "bytes_sent": tx[h],
+                       "tcp_retransmitted": sampler.retransmitted(h, t0, t_end) if sampler else None, **v}
     times = host_summary(per_host, contender, egress or {})
     ttt = time_to_target(progress, st.target, t0)
     steps = sum(v["steps"] for v in per_host.values())
@@ -483,6 +527,7 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
         "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
         "bytes_sent": sent, "bytes_per_step": None if sent is None else sent / steps,
+        "tcp_retransmitted": _mean_known(v.get("tcp_retransmitted") for v in per_host.values()),
         "final_accuracy": averaged_accuracy(st.task, files.models),
         **times,
         "step_time_setting": st.step_time, "slow_prob": sc.slow_prob, "slow_factor": sc.slow_factor,
@@ -577,6 +622,10 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         try:
             lb = lab.Lab(lab_dir)
             ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
+            quiet_after = _wait_quiet(lb, cfg, echo)
+            echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
+                 f"    the lab did not quiet down within {cfg.bench_quiet_timeout:g}s (bench_quiet_timeout): "
+                 "the first runs share the links with the daemons' link probes")
             (out / name / "hosts.json").write_text(json.dumps(
                 {h: {"node_id": ids[h], "ip": lb.ip(h), "slowdown": lb.slowdown(h)} for h in lb.hosts}, indent=2))
             for seed in range(seeds):
@@ -603,6 +652,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                                "hosts": hosts, "error": str(e), "time_to_target_s": None, "reached_target": False}
                         echo(f"    FAILED: {e}")
                     rec["run_s"] = time.monotonic() - t
+                    rec["lab_quiet_after_s"] = None if quiet_after is None else round(quiet_after, 1)
                     # the machine's 1-minute load average before and after: timings on a shared
                     # machine are only comparable at like loads
                     rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

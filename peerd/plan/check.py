@@ -19,7 +19,9 @@ Inputs to the model, all measured in the record, nothing from the profile on top
   call's own cost of a few ms is on the predicted side, unmodelled); absent (older records):
   Config.plan_overhead;
 - the ring order (per_host[h].rank; absent: host order);
-- the network from the profile (links are not measured per run).
+- the network from the profile (links are not measured per run);
+- DDP without overlap: the benchmark pads compute before backward(), so its all-reduces hide
+  behind nothing.
 Records older than per-host compute (no compute_mean_s) fall back to each host's busy share
 (1 - idle_fraction) * duration_s / steps with no spread, and say so.
 
@@ -178,7 +180,10 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
         topo = str(rec.get("topology") or ("exp-directed" if algo == "sgp" else "ring"))
         o = replace(opts, overhead=over) if over is not None else opts
         try:
-            pred = model.predict_one(net, comp, float(rec["model_bytes"]), algo, topo, o, overlap=True)
+            # The benchmark's DDP worker pads its compute before backward(), where DDP all-reduces,
+            # so nothing hides its communication; peerd's trainer always overlaps.
+            pred = model.predict_one(net, comp, float(rec["model_bytes"]), algo, topo, o,
+                                     overlap=algo != model.DDP)
         except ValueError as e:
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(

@@ -29,11 +29,17 @@ in research/papers.md 4.2; the ring cost is the textbook one, papers.md 5.4):
 - hierarchical (sites of k hosts, S sites): reduce-scatter inside each site, k concurrent all-reduce
   rings across the sites on M/k bytes each, all-gather inside each site [P4 §4.2 hierarchical ring]:
       T_hier = 2(k-1) * max_intra (lat + (M/k)/r) + 2(S-1) * max_inter (lat + (M/(kS))/r)
+- DDP all-reduces its gradients in buckets, one collective each, one after another: the first
+  bucket holds first_bucket_bytes (torch's 1 MiB, so the last layers' gradients go out early), the
+  rest bucket_bytes each (25 MiB). Every bucket pays the ring's 2(n-1) latencies, so a model just
+  over 1 MiB pays them twice (digits-wide, 1.10 MB: DDP's buckets were measured at 1,093,672 and
+  4,992 bytes; ours):
+      T_comm = sum over buckets b of T_ring(b)
 - iteration, a global barrier every step: T = E[max_i (C_i + O_i)] + exposed, where
       no overlap: exposed = T_comm
-      overlap   : exposed = max(T_comm - f_bw * E[max_i C_i], T_comm / buckets)   [P4 factor 1: DDP
-                  overlaps only with the backward pass (share f_bw of compute); the last bucket is
-                  always exposed; buckets = ceil(M / bucket_bytes)]
+      overlap   : exposed = max(T_comm - f_bw * E[max_i C_i], T_ring(last bucket))   [P4 factor 1:
+                  DDP overlaps only with the backward pass (share f_bw of compute); the last
+                  bucket is always exposed]
   E[max_i C_i] = integral of (1 - prod_i Phi((t - mean_i)/std_i)) dt over t >= 0 (numeric; ours; for
   iid Gaussians it is ~ mean + std*sqrt(2 ln n), the form [P4] quotes).
 
@@ -222,6 +228,7 @@ class Options:
     seed: int = 0
     backward_fraction: float = 0.67
     bucket_bytes: int = 25 << 20
+    first_bucket_bytes: int = 1 << 20
     max_ig: int = 4
     backup: int = 1
     staleness: int = 2
@@ -243,6 +250,7 @@ class Options:
         return cls(overhead=cfg.plan_overhead if overhead is None else overhead,
                    iterations=cfg.plan_iterations, sim_iterations=cfg.plan_sim_iterations,
                    backward_fraction=cfg.plan_backward_fraction, bucket_bytes=cfg.plan_bucket_bytes,
+                   first_bucket_bytes=cfg.plan_first_bucket_bytes,
                    max_ig=cfg.hop_max_ig, backup=cfg.hop_backup,
                    staleness=cfg.hop_staleness if cfg.hop_staleness >= 0 else 2, max_skip=cfg.hop_max_skip,
                    aau_staleness=cfg.aau_staleness, netmax_consensus=cfg.netmax_consensus)
@@ -326,11 +334,19 @@ def hierarchical_allreduce_time(net: Network, nbytes: float) -> float | None:
     return 2 * (k - 1) * t_intra + 2 * (S - 1) * t_inter
 
 
-def ddp_iteration(comm: float, comp: Compute, nbytes: float, opts: Options, overlap: bool) -> float:
+def ddp_buckets(nbytes: float, opts: Options) -> list[float]:
+    """Bytes of each DDP gradient bucket, in all-reduce order (see the module docstring)."""
+    first = min(nbytes, float(opts.first_bucket_bytes))
+    rest = nbytes - first
+    full, tail = divmod(rest, float(opts.bucket_bytes))
+    return [first] + [float(opts.bucket_bytes)] * int(full) + ([tail] if tail > 0 else [])
+
+
+def ddp_iteration(bucket_times: list[float], comp: Compute, opts: Options, overlap: bool) -> float:
     cmax = expected_max(comp.mean + opts.overheads(len(comp.mean)), comp.std)
+    comm = sum(bucket_times)
     if overlap:
-        buckets = max(1, math.ceil(nbytes / opts.bucket_bytes))
-        exposed = max(comm - opts.backward_fraction * expected_max(comp.mean, comp.std), comm / buckets)
+        exposed = max(comm - opts.backward_fraction * expected_max(comp.mean, comp.std), bucket_times[-1])
     else:
         exposed = comm
     return cmax + exposed
@@ -583,11 +599,10 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
     if comp.mean.shape != (n,):
         raise ValueError(f"compute: {comp.mean.shape[0]} hosts, network has {n}")
     if algorithm == DDP:
-        comm = (hierarchical_allreduce_time(net, nbytes) if topo_name == "hierarchical"
-                else ring_allreduce_time(net, nbytes))
-        if comm is None:
+        if topo_name == "hierarchical" and hierarchical_allreduce_time(net, nbytes) is None:
             raise ValueError("topology: hierarchical All-Reduce needs at least two sites of two hosts")
-        return ddp_iteration(comm, comp, nbytes, opts, overlap)
+        allreduce = hierarchical_allreduce_time if topo_name == "hierarchical" else ring_allreduce_time
+        return ddp_iteration([allreduce(net, b) for b in ddp_buckets(nbytes, opts)], comp, opts, overlap)
     if n == 1:
         return float(comp.mean[0] + opts.overheads(1)[0])
     topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
