@@ -360,7 +360,7 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
 
 
 @bench.command("scenarios")
-@click.option("--quick", is_flag=True, help="100 iterations, target 80 %, 1 seed, contenders ddp, hop-backup-skip, netmax (~25 min)")
+@click.option("--quick", is_flag=True, help="100 iterations, target 80 %, 1 seed, contenders ddp, hop-backup-skip, netmax (~28 min)")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="also append each record here")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="run directory (default: bench-<time>); an existing one with the same settings is added to")

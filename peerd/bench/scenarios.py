@@ -84,7 +84,8 @@ class Settings:
         wrap-up (torch imports, the world forming, the averaged model's evaluation): 29-41 s per
         run at load 14-18, up to 210 s at load 45; each lab ~45 s. Quiet machine: ~11-15 + 15 x
         0.5 + 4 = ~23-27 min. Fewer iterations do not help: at 60 the hosts' mean accuracy reaches
-        80 % only at the last evaluation or not at all."""
+        80 % only at the last evaluation or not at all. Since each lab waits for its link
+        warm-up (65-75 s, _wait_quiet), the whole quick run took 27.7 min (2026-12-03)."""
         return cls(iterations=100, target=0.8)
 
 
