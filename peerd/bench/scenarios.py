@@ -112,7 +112,8 @@ class TxSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _read(self, h: str) -> tuple[int, int, int]:
+    def counters(self, h: str) -> tuple[int, int, int]:
+        """(eth0 bytes sent, TCP segments sent, TCP segments retransmitted) of host h now."""
         tx = None
         for line in self.paths[h].read_text().splitlines():
             name, _, rest = line.partition(":")
@@ -134,7 +135,7 @@ class TxSampler:
     def sample(self) -> None:
         for h in self.samples:
             try:
-                self.samples[h].append((time.time(), *self._read(h)))
+                self.samples[h].append((time.time(), *self.counters(h)))
             except (OSError, RuntimeError):
                 pass  # the daemon is gone: the run's own error says why
 
@@ -192,10 +193,10 @@ def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) -> float 
     that shares its links with the probes, which is not what a user of either tool sees."""
     sampler = TxSampler(lb, cfg.bench_quiet_window)
     t0 = time.monotonic()
-    prev = {h: sampler._read(h)[0] for h in lb.hosts}
+    prev = {h: sampler.counters(h)[0] for h in lb.hosts}
     while time.monotonic() - t0 < cfg.bench_quiet_timeout:
         time.sleep(cfg.bench_quiet_window)
-        cur = {h: sampler._read(h)[0] for h in lb.hosts}
+        cur = {h: sampler.counters(h)[0] for h in lb.hosts}
         busiest = max((cur[h] - prev[h]) / cfg.bench_quiet_window for h in lb.hosts)
         if busiest < cfg.bench_quiet_rate:
             return time.monotonic() - t0

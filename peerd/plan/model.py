@@ -599,10 +599,11 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
     if comp.mean.shape != (n,):
         raise ValueError(f"compute: {comp.mean.shape[0]} hosts, network has {n}")
     if algorithm == DDP:
-        if topo_name == "hierarchical" and hierarchical_allreduce_time(net, nbytes) is None:
-            raise ValueError("topology: hierarchical All-Reduce needs at least two sites of two hosts")
         allreduce = hierarchical_allreduce_time if topo_name == "hierarchical" else ring_allreduce_time
-        return ddp_iteration([allreduce(net, b) for b in ddp_buckets(nbytes, opts)], comp, opts, overlap)
+        bucket_times = [allreduce(net, b) for b in ddp_buckets(nbytes, opts)]
+        if None in bucket_times:
+            raise ValueError("topology: hierarchical All-Reduce needs at least two sites of two hosts")
+        return ddp_iteration(bucket_times, comp, opts, overlap)
     if n == 1:
         return float(comp.mean[0] + opts.overheads(1)[0])
     topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
