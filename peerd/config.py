@@ -213,7 +213,10 @@ class Config:
     link_probe_jitter: float = _f(2.0, "a bandwidth probe starts after a random delay of up to this many seconds, "
                                        "so hosts do not probe a shared bottleneck in lock-step")
     link_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer the whole link "
-                                                "matrix; those between carry our own row and what changed")
+                                                "matrix; those between carry only the entries that changed")
+    link_gossip_change: float = _f(0.1, "relative move of an entry's capacity, throughput or RTT (the RTT also by "
+                                        "more than link_rtt_change_floor) that makes it news for the next "
+                                        "heartbeats; smaller moves wait for the full gossip")
 
     # --- container start: link profile and user (peerd container start, peerd/container.py) ----
     shape_dev: str = _f("eth0", "interface whose egress a container's link profile shapes", scope="container")
@@ -404,6 +407,8 @@ def validate(cfg: Config) -> None:
                           f"link_probe_max_bytes ({cfg.link_probe_max_bytes})")
     if not 0 < cfg.link_capacity_dip < 1:
         raise ConfigError(f"link_capacity_dip ({cfg.link_capacity_dip}) must be in (0, 1)")
+    if not 0 <= cfg.link_gossip_change < 1:
+        raise ConfigError(f"link_gossip_change ({cfg.link_gossip_change}) must be in [0, 1)")
     if cfg.link_probe_growth_max < 1:
         raise ConfigError(f"link_probe_growth_max ({cfg.link_probe_growth_max}) must be >= 1")
     if cfg.link_settle_growth <= 1:

@@ -9,7 +9,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from hypothesis import given, settings, strategies as st
 
-from peerd.config import Config
+from peerd.config import Config, ConfigError, validate
 from peerd.net.links import BW, RTT, Ewma, LinkMatrix, LinkTable, render_links
 from peerd.v1 import control_pb2, peer_pb2
 
@@ -568,13 +568,46 @@ def test_lookups_and_gossip_limit():
     assert m.bandwidth("b", "c") == 2e6 and m.bandwidth("c", "d") is None
     assert m.bandwidth("d", "b") is None and m.rtt("b", "c") == 0.03    # the fresher measurement
     assert [e["measurer"] for e in m.to_entries(10.0, limit=1)] == ["c"]
-    assert [e["measurer"] for e in m.to_entries(10.0, newer_than=7.0)] == ["c"]   # born at 9, not 5
+    # Delta gossip goes by when an entry became news here, not when it was measured: both arrived
+    # at 10, so a peer last told at 7 hears of both (b's, measured at 5, is news to it too).
+    assert sorted(e["measurer"] for e in m.to_entries(10.0, newer_than=7.0)) == ["b", "c"]
+    assert m.to_entries(10.0, newer_than=10.0) == []
     times = m.expected_times(["b", "c", "d"], nbytes=4_000_000)
     assert times[1][0] == pytest.approx(0.03 / 2 + 4_000_000 / 2e6)    # b -> c, measured by b
     assert times[0][1] == pytest.approx(0.03 / 2 + 4_000_000 / 3e6)    # c -> b, measured by c
     assert times[0][0] == 0.0 and times[2][0] == math.inf
     m.remove_node("b")
     assert m.entries == {}
+
+
+def test_delta_gossip_carries_news_not_every_refresh():
+    # Heartbeats refresh every RTT each second; only a move past link_gossip_change is news.
+    cfg = Config(link_gossip_change=0.1, link_rtt_change_floor=0.002)
+    m = LinkMatrix("a", cfg)
+    m.merge([entry("b", "c", 0, bw=1e6, rtt=0.010)], now=1.0)
+    assert [e["target"] for e in m.to_entries(2.0, newer_than=0.5)] == ["c"]          # new: news
+    m.merge([entry("b", "c", 0, bw=1.05e6, rtt=0.0105)], now=2.0)                     # jitter
+    assert m.get("b", "c").throughput_bytes_s == 1.05e6                              # taken ...
+    assert m.to_entries(2.0, newer_than=1.5) == []                                     # ... not news
+    assert len(m.to_entries(2.0)) == 1                                                 # full gossip has it
+    for i, bw in enumerate((1.08e6, 1.12e6), start=3):                                 # a slow drift
+        m.merge([entry("b", "c", 0, bw=bw, rtt=0.010)], now=float(i))
+    assert [e["throughput_bytes_s"] for e in m.to_entries(4.0, newer_than=3.5)] == [1.12e6]  # adds up
+    m.merge([entry("b", "c", 0, bw=1.12e6, rtt=0.0119)], now=5.0)                     # 19 % but < 2 ms
+    assert m.to_entries(5.0, newer_than=4.5) == []
+    m.merge([entry("b", "c", 0, bw=1.12e6, rtt=0.030)], now=6.0)                      # queueing: news
+    assert [e["rtt_s"] for e in m.to_entries(6.0, newer_than=5.5)] == [0.030]
+    # Our own rows follow the same rule.
+    t = LinkTable("a", cfg)
+    t.add_peer("b")
+    t.observe_rtt("b", 0.010, 10.0)
+    m.absorb(t)
+    assert ("a", "b") in [(e["measurer"], e["target"]) for e in m.to_entries(10.0, newer_than=9.5)]
+    t.observe_rtt("b", 0.0101, 11.0)
+    m.absorb(t)
+    assert m.to_entries(11.0, newer_than=10.5) == []
+    with pytest.raises(ConfigError, match="link_gossip_change"):
+        validate(Config(link_gossip_change=1.0))
 
 
 def test_pull_times_are_the_round_trip_against_compute_and_unknown_pairs_the_slowest():

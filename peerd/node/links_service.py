@@ -189,11 +189,7 @@ class LinkService:
             entries = self.matrix.to_entries(now, limit=limit)
         else:
             since = self._delta_since.get(key, -math.inf)
-            own = [self.matrix.entries[(self.node_id, t)].to_dict(self.node_id, t, now)
-                   for t in self.table.links if (self.node_id, t) in self.matrix.entries]
-            others = [e for e in self.matrix.to_entries(now, limit=limit, newer_than=since)
-                      if e["measurer"] != self.node_id]
-            entries = (own + others)[:limit]
+            entries = self.matrix.to_entries(now, limit=limit, newer_than=since)
         return [pb.LinkEntry(**e) for e in entries], now
 
     def gossiped(self, peer: str, way: str, mark: float) -> None:
