@@ -27,13 +27,15 @@ Records older than per-host compute (no compute_mean_s) fall back to each host's
 
 Per record: the predicted iteration time, the relative error (predicted - measured) / measured,
 flagged beyond 25 %. Per scenario: the contender the model recommends among those measured, and
-whether it was the measured fastest or within 10 % of it.
+whether it was the measured fastest or within 10 % of it; with several seeds, both compare each
+contender's median over its seeds.
 
 Pure apart from `profile_loader` (the caller's way of reading a profile by name or path).
 """
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
@@ -191,8 +193,20 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
                 _load(rec)))
     out = []
     for name, rows in by_scen.items():
-        out.append(Scenario(name, rows, min(rows, key=lambda r: r.predicted), min(rows, key=lambda r: r.measured)))
+        per = medians(rows)
+        out.append(Scenario(name, rows, min(per, key=lambda r: r.predicted), min(per, key=lambda r: r.measured)))
     return out
+
+
+def medians(rows: list[Row]) -> list[Row]:
+    """One row per (contender, topology): the median measured and predicted time over its seeds, so
+    the recommendation compares contenders, not one contender's lucky seed with another's."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.contender, r.topology), []).append(r)
+    return [Row(g[0].scenario, c, t, statistics.median(r.measured for r in g),
+                statistics.median(r.predicted for r in g), all(r.exact for r in g), all(r.overhead for r in g))
+            for (c, t), g in groups.items()]
 
 
 def render(scens: list[Scenario]) -> str:
