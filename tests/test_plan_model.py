@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from peerd.lab import profile
+from peerd.lab.shaping import GOODPUT_RATIO
 from peerd.plan import model, sources
 from peerd.plan.model import Compute, Network, Options, Shared, predict_one
 from peerd.sim.engine import SimSpec, Simulator
@@ -176,7 +177,7 @@ def test_two_sites_profile_shares_the_site_link():
     prof = profile.load("two-sites")
     net = sources.network_from_profile(prof)
     assert net.sites == (0, 0, 1, 1)
-    agg = 50e6 / 8
+    agg = 50e6 / 8 * GOODPUT_RATIO                            # TCP payload of the 50 Mbit link
     # d-psgd on a ring of 4 puts two flows on a->b (h2->h3 and h1->h4): each gets half.
     t = predict_one(net, sources.compute_from_profile(prof, 0.2), 1e8, "d-psgd", "ring", OPTS)
     assert rel(t, 0.020 + 5e-5 + 1e8 / (agg / 2)) < 1e-3

@@ -481,15 +481,14 @@ def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_byte
 
 
 def egress_rates(prof: profile.Profile) -> dict[str, float]:
-    """Bytes/s out of each host of a lab profile: its access link, else its fastest pair."""
-    from peerd.plan.sources import network_from_profile
-
-    net = network_from_profile(prof)
+    """Bytes/s out of each host of a lab profile, as its eth0 counts them (whole frames): its
+    access link, else its fastest pair, else the runtime model's unshaped rate."""
+    unshaped = float(Config().plan_unshaped_rate)
     out = {}
-    for i, h in enumerate(prof.hosts):
-        caps = [g.capacity for g in net.shared if g.name == f"{h.name}-out"]
-        fastest = max((float(net.bandwidth[i, j]) for j in range(net.n) if j != i), default=0.0)
-        out[h.name] = min(caps) if caps else fastest
+    for h in prof.hosts:
+        rates = [prof.pair_rates[(h.name, o.name)] / 8 if (h.name, o.name) in prof.pair_rates else unshaped
+                 for o in prof.hosts if o is not h]
+        out[h.name] = h.link_bps / 8 if h.link_bps else max(rates, default=unshaped)
     return out
 
 

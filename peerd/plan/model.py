@@ -21,6 +21,8 @@ Definitions
       r_ji = min(bw_ji, min over shared capacities g carrying (j,i) of cap_g / flows_g)
   where flows_g counts the transfers the algorithm has in flight on g at once (expected counts for
   randomised peer choice). Equal share, not max-min fairness: ours, simple and conservative.
+  Rates are TCP payload bytes/s: a profile's link rates count whole frames, and
+  peerd.plan.sources takes 1448/1514 of them (measured links already are payload).
 
 All-Reduce (the paper's baseline, "From promise to practice" [P4] §4.2 / App. A.5, reconstructed
 in research/papers.md 4.2; the ring cost is the textbook one, papers.md 5.4):

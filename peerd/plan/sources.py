@@ -2,7 +2,9 @@
 
 Pure: callers load the profile or fetch the matrix; these functions only translate.
 
-- Profile: pair rate (bit/s -> bytes/s; unshaped pairs get Config.plan_unshaped_rate), a host's
+- Profile: pair rate (bit/s -> bytes/s of TCP payload: a link's rate counts whole Ethernet frames,
+  of which TCP carries 1448 of every 1514 bytes, peerd.lab.shaping.GOODPUT_RATIO, 95.6 %, what
+  `peerd lab calibrate` measures; unshaped pairs get Config.plan_unshaped_rate), a host's
   access link as two shared capacities (its egress and its ingress), a [[site_links]] rate as one
   shared capacity over every host pair across the two sites (it is an aggregate), one-way delay of
   the site link plus Config.plan_base_latency, sites as given, straggler factors (`slowdown`) on
@@ -20,6 +22,7 @@ import numpy as np
 
 from peerd.config import Config
 from peerd.lab.profile import Profile
+from peerd.lab.shaping import GOODPUT_RATIO
 from peerd.plan.model import Compute, Network, Shared
 
 
@@ -30,18 +33,19 @@ def network_from_profile(prof: Profile, cfg: Config | None = None) -> Network:
     idx = {h: i for i, h in enumerate(names)}
     bw = np.full((n, n), float(cfg.plan_unshaped_rate))
     lat = np.full((n, n), float(cfg.plan_base_latency))
+    payload = GOODPUT_RATIO / 8           # bit/s of frames -> bytes/s of TCP payload
     for (a, b), bps in prof.pair_rates.items():
-        bw[idx[a], idx[b]] = bps / 8
+        bw[idx[a], idx[b]] = bps * payload
     shared = []
     for h in prof.hosts:
         if h.link_bps:
             i = idx[h.name]
-            shared.append(Shared(f"{h.name}-out", h.link_bps / 8, frozenset((i, j) for j in range(n) if j != i)))
-            shared.append(Shared(f"{h.name}-in", h.link_bps / 8, frozenset((j, i) for j in range(n) if j != i)))
+            shared.append(Shared(f"{h.name}-out", h.link_bps * payload, frozenset((i, j) for j in range(n) if j != i)))
+            shared.append(Shared(f"{h.name}-in", h.link_bps * payload, frozenset((j, i) for j in range(n) if j != i)))
     for (sa, sb), link in prof.site_links.items():
         pairs = frozenset((idx[a.name], idx[b.name]) for a in prof.site_hosts(sa) for b in prof.site_hosts(sb))
         if link.rate_bps:
-            shared.append(Shared(f"{sa}->{sb}", link.rate_bps / 8, pairs))
+            shared.append(Shared(f"{sa}->{sb}", link.rate_bps * payload, pairs))
         for p in pairs:
             lat[p] += link.delay_s
     site_idx = {s: k for k, s in enumerate(prof.sites)}
