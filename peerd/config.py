@@ -53,6 +53,8 @@ class Config:
     connect_retry_max: float = _f(10.0, "longest back-off between attempts to reach an unanswering or dead peer")
     forget_dead_after: float = _f(3600.0, "seconds after which a dead peer is dropped from the table")
     max_peers: int = _f(1024, "most peers kept in the table (gossip beyond this is ignored)")
+    peer_gossip_full_interval: float = _f(30.0, "seconds between heartbeats that carry a peer our whole peer "
+                                                "table; those between carry only rows that changed")
     leave_timeout: float = _f(1.0, "seconds spent telling peers we leave, at shutdown")
     shutdown_grace: float = _f(1.0, "seconds in-flight RPCs get at shutdown")
     shutdown_timeout: float = _f(4.0, "bound on the whole shutdown after SIGINT/SIGTERM: what is left then "
@@ -418,7 +420,8 @@ def validate(cfg: Config) -> None:
     if cfg.link_capacity_confirm < 0:
         raise ConfigError(f"link_capacity_confirm ({cfg.link_capacity_confirm}) must be >= 0")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
-                 "link_capacity_window", "link_gossip_full_interval", "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
+                 "link_capacity_window", "link_gossip_full_interval", "peer_gossip_full_interval",
+                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
     for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries",

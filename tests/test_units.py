@@ -147,6 +147,44 @@ def test_left_peer_is_not_contacted_until_a_newer_incarnation_shows_up():
     assert "h:1" in m.candidates
 
 
+def test_peer_table_gossip_sends_news_and_the_whole_table_when_due():
+    m = make(full_interval=30)
+    for i, p in enumerate("pqr"):
+        m.admit(p, f"h:{i}", "r", 1, {}, now=0)
+    names = lambda rows: sorted(x.node_id for x in rows)  # noqa: E731
+    # Never delivered to p: the whole table, less p's own row.
+    rows, mark = m.gossip_rows("p", "hb", now=1)
+    assert names(rows) == ["q", "r"] and mark.full
+    again, _ = m.gossip_rows("p", "hb", now=1.5)
+    assert names(again) == ["q", "r"]                        # not delivered yet: still whole
+    m.gossiped("p", "hb", mark)
+    assert m.gossip_rows("p", "hb", now=2)[0] == []           # nothing new
+    # A state change is news, once; a refresh of liveness is not.
+    m.heard_from("q", 2.5)
+    m.tick(4.0)                                               # q, r silent since 0 and 2.5: q alive, r suspect
+    rows, mark = m.gossip_rows("p", "hb", now=4)
+    assert names(rows) == ["r"] and not mark.full
+    m.gossiped("p", "hb", mark)
+    assert m.gossip_rows("p", "hb", now=5)[0] == []
+    # Ways are separate: the reply way to p has had nothing yet.
+    assert names(m.gossip_rows("p", "reply", now=5)[0]) == ["q", "r"]
+    # A new member is news to everyone who had the table.
+    m.admit("s", "h:9", "r", 1, {}, now=6)
+    rows, mark = m.gossip_rows("p", "hb", now=6)
+    assert names(rows) == ["s"]
+    m.gossiped("p", "hb", mark)
+    # The whole table again once full_interval has passed since the last full one (at 1.5).
+    assert m.gossip_rows("p", "hb", now=31)[0] == []
+    rows, mark = m.gossip_rows("p", "hb", now=31.5)
+    assert names(rows) == ["q", "r", "s"] and mark.full
+    m.gossiped("p", "hb", mark)
+    # A restarted p (new incarnation) knows nothing: its next table is whole.
+    m.heard_from("p", 32, incarnation=2)
+    assert names(m.gossip_rows("p", "hb", now=33)[0]) == ["q", "r", "s"]
+    m.admit("p", "h:0", "r", 3, {}, now=34)
+    assert names(m.gossip_rows("p", "hb", now=35)[0]) == ["q", "r", "s"]
+
+
 def test_seed_candidates_are_retried_forever_with_bounded_backoff():
     m = make()
     m.add_candidate("seed:1", "seed", 0, permanent=True)

@@ -11,6 +11,11 @@ Rules (the daemon feeds events in and acts on what comes out):
 - A peer that says goodbye (`left`) is not contacted any more until it, or gossip about a newer
   incarnation of it, shows up again.
 - Incarnations grow on every restart of a node id; an older incarnation never overwrites a newer.
+- Gossip sends news (`gossip_rows`/`gossiped`): a heartbeat (or its reply) to a peer carries the rows
+  whose address, incarnation or state changed since the last one delivered to it, and the whole
+  table every `full_interval`, or whenever the peer is new or restarted. Gossip only tells a peer
+  whom to contact, so a row it has already had is not news; the full table repairs any loss. A
+  whole table each heartbeat was O(N^2) bytes per host per heartbeat interval.
 """
 from __future__ import annotations
 
@@ -65,9 +70,22 @@ class Timing:
     retry_base: float = 0.5
     retry_max: float = 10.0
     max_peers: int = 1024
+    full_interval: float = 30.0      # seconds between gossip messages that carry the whole table
 
 
 RTT_ALPHA = 0.25
+
+
+def gossip_signature(m: Member) -> tuple:
+    """What a gossip row says that a receiver acts on (see merge_gossip)."""
+    return (m.address, m.incarnation, m.state)
+
+
+@dataclass(frozen=True)
+class GossipMark:
+    """What one gossip message carried, for `gossiped` once it was delivered."""
+    rows: dict[str, tuple]       # node id -> gossip_signature sent
+    full: bool
 
 
 @dataclass
@@ -78,6 +96,9 @@ class Membership:
     candidates: dict[str, Candidate] = field(default_factory=dict)
     _retry_at: dict[str, float] = field(default_factory=dict)   # node id -> next contact of a dead peer
     _failures: dict[str, int] = field(default_factory=dict)
+    # (peer, way) -> what it has had from us: node id -> gossip_signature, and when the last full table went
+    _gossip_sent: dict[tuple[str, str], dict[str, tuple]] = field(default_factory=dict)
+    _gossip_full_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     # --- events -------------------------------------------------------------------------------
     def add_candidate(self, address: str, source: str, now: float, node_id: str = "",
@@ -107,6 +128,8 @@ class Membership:
                         admitted_at=now, last_heard=now, state_since=now,
                         rtt_s=old.rtt_s if old else 0.0)
         self.members[node_id] = member
+        if old is None or incarnation != old.incarnation:
+            self._forget_gossip(node_id)  # a new or restarted peer knows nothing: its next table is whole
         self._failures.pop(node_id, None)
         self._retry_at.pop(node_id, None)
         prev = old.state if old else None
@@ -119,6 +142,8 @@ class Membership:
         if m is None or (incarnation is not None and incarnation < m.incarnation):
             return None
         if incarnation is not None:
+            if incarnation > m.incarnation:
+                self._forget_gossip(node_id)
             m.incarnation = incarnation
         m.last_heard = now
         if rtt_s is not None:
@@ -189,6 +214,7 @@ class Membership:
                 new = State.DEAD
             if m.state in (State.DEAD, State.LEFT) and now - m.state_since >= t.forget_dead_after:
                 del self.members[node_id]
+                self._forget_gossip(node_id)
                 self._retry_at.pop(node_id, None)
                 self._failures.pop(node_id, None)
                 out.append(Transition(node_id, m.state, None))
@@ -197,6 +223,33 @@ class Membership:
                 out.append(Transition(node_id, m.state, new))
                 m.state, m.state_since = new, now
         return out
+
+    # --- gossip -------------------------------------------------------------------------------
+    def gossip_rows(self, peer: str, way: str, now: float) -> tuple[list[Member], GossipMark]:
+        """Rows for one heartbeat ("hb") or reply ("reply") to `peer`: the whole table when due, else
+        the rows it has not had in their present form; never its own row. Pass the mark to `gossiped`
+        once delivered."""
+        key = (peer, way)
+        sent = self._gossip_sent.get(key)
+        full = sent is None or now - self._gossip_full_at.get(key, -float("inf")) >= self.timing.full_interval
+        if full:
+            self._gossip_full_at[key] = now
+            rows = [m for m in self.members.values() if m.node_id != peer]
+        else:
+            rows = [m for m in self.members.values()
+                    if m.node_id != peer and sent.get(m.node_id) != gossip_signature(m)]
+        return rows, GossipMark({m.node_id: gossip_signature(m) for m in rows}, full)
+
+    def gossiped(self, peer: str, way: str, mark: GossipMark) -> None:
+        if mark.full:
+            self._gossip_sent[(peer, way)] = dict(mark.rows)
+        elif (peer, way) in self._gossip_sent:
+            self._gossip_sent[(peer, way)].update(mark.rows)
+
+    def _forget_gossip(self, peer: str) -> None:
+        for key in [k for k in self._gossip_sent if k[0] == peer]:
+            del self._gossip_sent[key]
+            self._gossip_full_at.pop(key, None)
 
     # --- queries ------------------------------------------------------------------------------
     def to_contact(self, now: float) -> list[Member]:

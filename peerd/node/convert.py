@@ -19,10 +19,11 @@ def caps_from_pb(msg: pb.Capabilities) -> dict:
     return {k: getattr(msg, k) for k in CAP_FIELDS}
 
 
-def member_to_pb(m: Member, now: float) -> pb.PeerInfo:
-    return pb.PeerInfo(node_id=m.node_id, address=m.address, run_id=m.run_id, incarnation=m.incarnation,
-                       state=STATE_TO_PB[m.state], last_seen_age_s=max(0.0, now - m.last_heard),
-                       capabilities=caps_to_pb(m.capabilities))
+def member_to_pb(m: Member) -> pb.PeerInfo:
+    """A gossip row: only what a receiver acts on (Membership.merge_gossip). A peer's capabilities
+    and run come from its own Hello, never from hearsay, so rows leave them out."""
+    return pb.PeerInfo(node_id=m.node_id, address=m.address, incarnation=m.incarnation,
+                       state=STATE_TO_PB[m.state])
 
 
 def rows_from_pb(peers) -> list[dict]:

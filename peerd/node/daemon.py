@@ -24,7 +24,7 @@ from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_
 from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options
 from peerd.net.discovery import DiscoveryError
 from peerd.net.links import LinkMatrix
-from peerd.net.membership import Member, Membership, State, Timing, Transition
+from peerd.net.membership import GossipMark, Member, Membership, State, Timing, Transition
 from peerd.node import capabilities, mdns_service
 from peerd.node.control_service import ControlService
 from peerd.node.convert import caps_from_pb, caps_to_pb, member_to_pb, rows_from_pb, split_host_port
@@ -99,7 +99,8 @@ class Daemon:
         self.membership = Membership(self.node_id, Timing(
             suspect_after=cfg.suspect_after, dead_after=cfg.dead_after,
             forget_dead_after=cfg.forget_dead_after, retry_base=cfg.heartbeat_interval,
-            retry_max=cfg.connect_retry_max, max_peers=cfg.max_peers))
+            retry_max=cfg.connect_retry_max, max_peers=cfg.max_peers,
+            full_interval=cfg.peer_gossip_full_interval))
         self._events = open(self.data.path / "events.jsonl", "a", buffering=1)
         self.links = LinkService(self)
         self.link_matrix = self.links.matrix
@@ -322,9 +323,13 @@ class Daemon:
         return pb.Hello(node_id=self.node_id, protocol_version=PROTOCOL_VERSION, run_id=self.cfg.run_id,
                         address=self.address, capabilities=caps_to_pb(self.caps), incarnation=self.incarnation)
 
-    def peer_infos(self) -> list[pb.PeerInfo]:
-        now = time.monotonic()
-        return [member_to_pb(m, now) for m in self.membership.members.values()]
+    def peer_infos(self, peer: str | None = None, way: str = "") -> tuple[list[pb.PeerInfo], GossipMark | None]:
+        """Peer-table rows for a Hello reply (`peer` None: the whole table) or for one heartbeat or
+        reply to `peer` (what is news to it), with the mark to pass to membership.gossiped."""
+        if peer is None:
+            return [member_to_pb(m) for m in self.membership.members.values()], None
+        rows, mark = self.membership.gossip_rows(peer, way, time.monotonic())
+        return [member_to_pb(m) for m in rows], mark
 
     def hello_refusal(self, request: pb.Hello):
         reason = hello_refusal(self.node_id, self.cfg.run_id, request)
@@ -440,8 +445,9 @@ class Daemon:
         method = f"/{PEER_SERVICE}/SendHeartbeat"
         self._hb_seq += 1
         links, mark = self.links.gossip(m.node_id, "hb")
+        peers, peers_mark = self.peer_infos(m.node_id, "hb")
         msg = pb.Heartbeat(node_id=self.node_id, incarnation=self.incarnation, seq=self._hb_seq,
-                           peers=self.peer_infos(), address=self.address, links=links)
+                           peers=peers, address=self.address, links=links)
         stub = self._channel(m.address).unary_unary(method, request_serializer=pb.Heartbeat.SerializeToString,
                                                     response_deserializer=pb.HeartbeatReply.FromString)
         sent = time.monotonic()
@@ -462,6 +468,7 @@ class Daemon:
         self._log_transition(self.membership.heard_from(m.node_id, now, reply.incarnation, now - sent),
                              "heartbeat answered")
         self.membership.merge_gossip(rows_from_pb(reply.peers), now)
+        self.membership.gossiped(m.node_id, "hb", peers_mark)
         self.links.gossiped(m.node_id, "hb", mark)
         self.links.observe_heartbeat(m.node_id, now - sent)
         self.links.merge(m.node_id, reply.links)

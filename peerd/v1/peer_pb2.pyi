@@ -72,22 +72,16 @@ class HelloReply(_message.Message):
     def __init__(self, node: _Optional[_Union[Hello, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "incarnation", "state", "last_seen_age_s", "capabilities")
+    __slots__ = ("node_id", "address", "incarnation", "state")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
-    LAST_SEEN_AGE_S_FIELD_NUMBER: _ClassVar[int]
-    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
-    run_id: str
     incarnation: int
     state: PeerState
-    last_seen_age_s: float
-    capabilities: Capabilities
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ..., last_seen_age_s: _Optional[float] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ...) -> None: ...
 
 class LinkEntry(_message.Message):
     __slots__ = ("measurer", "target", "throughput_bytes_s", "throughput_spread_bytes_s", "rtt_s", "rtt_spread_s", "samples", "age_s", "capacity_bytes_s", "capacity_age_s")
