@@ -154,7 +154,8 @@ class Config:
                                           "(it stops as soon as every other host finished or is gone)")
     train_pause_timeout: float = _f(3600.0, "most seconds a trainer stays paused (`peerd ctl pause`) before it "
                                             "resumes by itself")
-    train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing "
+    train_silent_peer_timeout: float = _f(10.0, "most seconds a host waits on a live neighbour that sends nothing, "
+                                                "plus its update's transfer allowance (train_transfer_slack) "
                                                 "(then mixes without it until its next update); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")
     train_estimates_interval: float = _f(10.0, "seconds between the link estimates a run feeds to a policy that "
@@ -163,8 +164,12 @@ class Config:
                                                "first ones as soon as there are any")
     train_pull_timeout: float = _f(5.0, "most seconds one pull (NetMax, AD-PSGD) may go unanswered (failed, refused, "
                                         "not found, or no reply) before the policy pulls another peer or takes "
-                                        "the local step; keep it below train_silent_peer_timeout and above one "
-                                        "model transfer over the slowest link")
+                                        "the local step, plus the transfer's allowance (train_transfer_slack); "
+                                        "keep it below train_silent_peer_timeout")
+    train_transfer_slack: float = _f(2.0, "the pull and silent-neighbour bounds grow by this many times the model's "
+                                          "expected transfer from that peer (bytes over the measured bandwidth, "
+                                          "or over dataplane_min_rate where unmeasured), up to half of "
+                                          "train_mix_timeout; 0: fixed bounds")
     train_pull_backoff: float = _f(10.0, "most seconds a peer whose pulls keep failing rests before it is pulled again "
                                          "(the other peers are, or the host steps locally); not for good: a hiccup "
                                          "does not remove a link")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import types
 
 from peerd.config import Config
 from peerd.net.links import LinkMatrix
 from peerd.node.training import RunSpec, TrainingRun
+from peerd.sync.events import WaitInfo
 from peerd.train.flat import Layout
 
 NODES = ["a1", "a2", "a3", "b1", "b2", "b3"]          # two sites; ring a1-a2-a3-b1-b2-b3-a1
@@ -73,3 +75,59 @@ def test_policies_without_pull_estimates_get_none(tmp_path):
             task.cancel()
         return names
     assert "link estimates" not in asyncio.run(go())
+
+
+def test_transfer_bounds_grow_with_the_model_and_the_link_up_to_half_the_mix_timeout(tmp_path):
+    """A pull or a neighbour's update of a big model over a slow link is not a failure: the fixed
+    bounds grow by train_transfer_slack times the expected transfer, capped at half of
+    train_mix_timeout. a1 has a 120 MB/s link to a2 and a 5 MB/s one to b3 (test matrix)."""
+    cfg = dataclasses.replace(Config(), run_id="t", train_pull_timeout=5.0, train_transfer_slack=2.0,
+                              train_mix_timeout=60.0, dataplane_min_rate=1_000_000)
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("netmax"), NODES + ["c1"])
+        for task in list(run._tasks):
+            task.cancel()
+        return run
+    run = asyncio.run(go())
+    assert run.transfer_allowance("b3") == 0.0                            # no layout yet
+    run.layout = Layout.build([("w", "float32", (2_500_000,))])          # 10 MB
+    assert abs(run.transfer_allowance("a2") - 2 * 10e6 / 120e6) < 1e-9
+    assert abs(run.transfer_allowance("b3") - 2 * 10e6 / 5e6) < 1e-9     # 4 s over 5 MB/s
+    assert abs(run.transfer_allowance("c1") - 2 * 10e6 / 1e6) < 1e-9     # nobody measured: the data plane's floor
+    assert abs(run.transfer_bound(5.0, "b3") - 9.0) < 1e-9
+    assert abs(run.transfer_bound(5.0, "c1") - 25.0) < 1e-9
+    assert run.transfer_bound(15.0, "c1") == 30.0                         # 35 s capped at 60 / 2
+    assert run.transfer_bound(40.0, "c1") == 40.0                         # never below the base
+    run.d.cfg = dataclasses.replace(cfg, train_transfer_slack=0.0)
+    assert run.transfer_bound(5.0, "b3") == 5.0                           # 0: fixed bounds
+
+
+def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
+    """A D-PSGD mix waiting on a2 (fast link) and b3 (slow link, 10 MB: 4 s allowance) marks a2
+    silent at the base bound and b3 only once its allowance is spent too."""
+    cfg = dataclasses.replace(Config(), run_id="t", train_silent_peer_timeout=0.5, train_transfer_slack=0.25,
+                              train_mix_timeout=60.0)
+    ring = ["a1", "a2", "b3"]
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), ring)
+        run.layout = Layout.build([("w", "float32", (2_500_000,))])      # b3: 0.25 * 10 MB / 5 MB/s = 0.5 s more
+        fut = asyncio.get_running_loop().create_future()
+        run.mix_waiters[0] = fut
+        run.policy.waiting = WaitInfo("updates", 0.0, [1, 2])
+        t0 = time.monotonic()
+        run._arm_silent(0)
+        marks = {}
+        while len(marks) < 2 and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+            for src, why in run.absent.items():
+                marks.setdefault(ring[src], time.monotonic() - t0)
+            run.policy.waiting = WaitInfo("updates", 0.0, [s for s in (1, 2) if s not in run.absent])
+        for task in list(run._tasks):
+            task.cancel()
+        run._silent_timer.cancel()
+        return marks
+    marks = asyncio.run(go())
+    assert 0.48 <= marks["a2"] < 0.9, marks     # 0.5 s (+ 10 MB over 120 MB/s: 0.02 s)
+    assert 0.98 <= marks["b3"] < 1.5, marks     # 0.5 + 0.5 s

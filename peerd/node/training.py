@@ -28,12 +28,17 @@ Readings chosen here (the policy docstrings cover the algorithms):
   its daemon announces a crashed trainer (ABSENT) and a finished one (FINISHED) at once, through
   the same ordered queue as its updates (so the notice never overtakes its last update). Without
   a notice (a hung trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout`
-  is treated as absent until its next update. So no host waits on a silent neighbour longer than
-  that bound.
-- A pull (NetMax, AD-PSGD) is answered within `train_pull_timeout` or the policy hears PullFailed
-  and pulls another peer (or steps locally): a pull a peer cannot answer (no parameters yet, not
-  attached, run ended, a failed transfer, a lost reply) is never retried forever nor waited on
-  until the trainer's `train_mix_timeout`.
+  (plus its update's transfer allowance, below) is treated as absent until its next update. So no
+  host waits on a silent neighbour longer than that bound.
+- A pull (NetMax, AD-PSGD) is answered within `train_pull_timeout` (plus the allowance) or the
+  policy hears PullFailed and pulls another peer (or steps locally): a pull a peer cannot answer
+  (no parameters yet, not attached, run ended, a failed transfer, a lost reply) is never retried
+  forever nor waited on until the trainer's `train_mix_timeout`.
+- Transfer allowance: those two bounds are for failures, not for slow links. Each grows by
+  `train_transfer_slack` times the model's expected transfer from that peer (bytes over the link
+  matrix's bandwidth, or over `dataplane_min_rate` where nobody measured it), up to half of
+  `train_mix_timeout`: a 100 MB model takes 8 s over 100 Mbit, and a fixed 5 s pull bound failed
+  every pull.
 - A restarted trainer resumes at the run's iteration, not its own: its daemon asks the live
   neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
   resets its token edges as a PeerUp from each; a neighbour re-admits it at its first update.
@@ -239,6 +244,8 @@ class TrainingRun:
         self.absent: dict[int, str] = {}       # neighbours not contributing: "restarting", "finished", "silent"
         self.resync: dict[int, int] = {}       # after a restart: neighbours' iterations, applied at publish
         self._silent_timer: asyncio.TimerHandle | None = None
+        self._silent_since = 0.0               # when the wait the silent timer bounds began (or its last check)
+        self._waited_since: dict[int, float] = {}   # per neighbour waited on: since when
         self.eager = (self.policy.name in ("d-psgd", "hop") and getattr(self.policy, "backup", 1) == 0
                       and getattr(self.policy, "staleness", 0) is None and not getattr(self.policy, "skip", True))
         self.eager_k = -1                      # iteration whose mix was requested at publish
@@ -373,7 +380,8 @@ class TrainingRun:
                 self._queue(dst).put_nowait(("notice", state, self.policy.k))
 
     def _silent_check(self, k: int) -> None:
-        """Mix k has waited `train_silent_peer_timeout`: stop waiting for the peers it waits on."""
+        """Mix k has waited `train_silent_peer_timeout`: stop waiting for the peers it waits on whose
+        transfer allowance is spent too; check the others again when theirs is."""
         self._silent_timer = None
         fut = self.mix_waiters.get(k)
         if fut is None or fut.done():
@@ -384,18 +392,56 @@ class TrainingRun:
             # would ever mark a "silent" peer present again.
             self._arm_silent(k)
             return
+        now = time.monotonic()
+        base = self.d.cfg.train_silent_peer_timeout
+        left = []
         for src in list(self.policy.waiting.on):
+            # Waited on since this wait began, or since the last check for one the policy took up later.
+            waited = now - self._waited_since.setdefault(src, self._silent_since)
+            remaining = self.transfer_bound(base, self.nodes[src]) - waited
+            if remaining > 1e-3:
+                left.append(remaining)       # its update may still be on the way over a slow link
+                continue
             log.warning("no update from %s for %.1fs at iteration %d: not waited for until it sends one",
-                        self.nodes[src], self.d.cfg.train_silent_peer_timeout, k)
+                        self.nodes[src], waited, k)
             self._set_absent(src, "silent")
-        if not fut.done():   # still waiting (on someone else now): check again after the bound
+        self._silent_since = now
+        if fut.done():
+            return
+        if left:
+            self._arm_silent(k, after=min(left))
+        else:   # still waiting (on someone else now): check again after the bound
             self._arm_silent(k)
 
-    def _arm_silent(self, k: int) -> None:
+    def _arm_silent(self, k: int, after: float | None = None) -> None:
+        """Check mix k's waits after `after` seconds; None: a fresh wait, the base bound from now."""
         if self._silent_timer is not None:
             self._silent_timer.cancel()
-        self._silent_timer = asyncio.get_running_loop().call_later(
-            self.d.cfg.train_silent_peer_timeout, self._silent_check, k)
+        if after is None:
+            self._silent_since = time.monotonic()
+            self._waited_since = {}
+            after = self.d.cfg.train_silent_peer_timeout
+        self._silent_timer = asyncio.get_running_loop().call_later(after, self._silent_check, k)
+
+    def transfer_allowance(self, node: str) -> float:
+        """Extra seconds a wait on one model transfer from `node` gets on top of its fixed bound
+        (train_pull_timeout, train_silent_peer_timeout): train_transfer_slack times the expected
+        transfer (the model's bytes over the link's measured bandwidth towards us, or over
+        dataplane_min_rate where nobody measured it), so a big model on a slow link is not taken
+        for a failure. Capped so the wait ends within half of train_mix_timeout, which the
+        trainer's Mix must meet."""
+        cfg = self.d.cfg
+        nbytes = self.layout.total_bytes if self.layout is not None else 0
+        if not nbytes or not node:
+            return 0.0
+        matrix = self.d.link_matrix
+        bw = matrix.bandwidth(node, self.d.node_id) if matrix is not None else None
+        return cfg.train_transfer_slack * nbytes / (bw or cfg.dataplane_min_rate)
+
+    def transfer_bound(self, base: float, node: str) -> float:
+        """`base` plus the transfer allowance from `node`, at most half of train_mix_timeout
+        (never below `base`)."""
+        return max(base, min(base + self.transfer_allowance(node), self.d.cfg.train_mix_timeout / 2))
 
     # --- directives to the trainer ---------------------------------------------------------------
     async def direct(self, d: cpb.Directive) -> int:
@@ -680,17 +726,19 @@ class TrainingRun:
 
     async def _pull(self, dst: int, carry_k: int, k: int) -> None:
         """The policy's Pull(dst) issued at iteration k. Its answer (the pulled parameters, or for a
-        carried pull the peer's pushed reply) must arrive within `train_pull_timeout`; otherwise
+        carried pull the peer's pushed reply) must arrive within `train_pull_timeout` plus the
+        transfer's allowance (`transfer_bound`); otherwise
         (failed, refused, NOT_FOUND throughout, or answered with nothing: a peer not attached yet,
         or whose run ended) the policy hears PullFailed and pulls another peer or steps locally."""
         node = self.nodes[dst]
         member = self.d.membership.get(node)
         key = (dst, k)
         t0 = time.monotonic()
+        bound = self.transfer_bound(self.d.cfg.train_pull_timeout, node)
         try:
             if member is None:
                 raise TransferError("peer_down", f"{node} is not a member")
-            async with asyncio.timeout(self.d.cfg.train_pull_timeout):
+            async with asyncio.timeout(bound):
                 if carry_k != ev.CURRENT and carry_k in self.own_out:
                     answered = self.pull_answers[key] = asyncio.Event()
                     await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
@@ -707,14 +755,16 @@ class TrainingRun:
         except (TransferError, grpc.aio.AioRpcError) as e:
             log.info("pull from %s failed: %s", node, e)
         except TimeoutError:
-            log.info("pull from %s unanswered after %.1fs", node, self.d.cfg.train_pull_timeout)
+            log.info("pull from %s unanswered after %.1fs%s", node, bound,
+                     " (the bound's cap, half of train_mix_timeout: raise that for a model this big on "
+                     "this link)" if bound < self.d.cfg.train_pull_timeout + self.transfer_allowance(node) else "")
         finally:
             self.pull_answers.pop(key, None)
         self.feed(ev.PullFailed(dst, k))
 
     async def _pull_until_served(self, node: str) -> tuple[Received, float]:
         """A peer that has no parameters yet (its trainer is starting) answers NOT_FOUND: ask
-        again, backing off, while it is alive (the caller bounds the whole by train_pull_timeout).
+        again, backing off, while it is alive (the caller bounds the whole, `transfer_bound`).
         Returns the answer and when the answered request started."""
         delay = 0.02
         while True:
