@@ -428,8 +428,7 @@ class TrainingRun:
         (train_pull_timeout, train_silent_peer_timeout): train_transfer_slack times the expected
         transfer (the model's bytes over the link's measured bandwidth towards us, or over
         dataplane_min_rate where nobody measured it), so a big model on a slow link is not taken
-        for a failure. Capped so the wait ends within half of train_mix_timeout, which the
-        trainer's Mix must meet."""
+        for a failure. `transfer_bound` caps the sum."""
         cfg = self.d.cfg
         nbytes = self.layout.total_bytes if self.layout is not None else 0
         if not nbytes or not node:
@@ -439,8 +438,9 @@ class TrainingRun:
         return cfg.train_transfer_slack * nbytes / (bw or cfg.dataplane_min_rate)
 
     def transfer_bound(self, base: float, node: str) -> float:
-        """`base` plus the transfer allowance from `node`, at most half of train_mix_timeout
-        (never below `base`)."""
+        """`base` plus the transfer allowance from `node`, at most half of train_mix_timeout (the
+        trainer's Mix must be answered within it, a failed pull and the next one included), never
+        below `base`."""
         return max(base, min(base + self.transfer_allowance(node), self.d.cfg.train_mix_timeout / 2))
 
     # --- directives to the trainer ---------------------------------------------------------------
