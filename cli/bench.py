@@ -374,10 +374,13 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
 @click.option("--topology", help="communication graph of every peerd contender (default ring; DDP is all-reduce)")
 @click.option("--non-iid", is_flag=True, default=None,
               help="label-sorted data shards (each host sees few classes), for every contender")
+@click.option("--async-budget", type=click.Choice(["host", "swarm"]), default=None,
+              help="asynchronous contenders (netmax, ad-psgd): each host runs --iterations (host, the "
+                   "default), or the hosts together run hosts x --iterations (swarm: `peerd train --budget`)")
 def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds: int | None,
                   scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,
                   iterations: int | None, target: float | None, step_time: float | None,
-                  topology: str | None, non_iid: bool | None) -> None:
+                  topology: str | None, non_iid: bool | None, async_budget: str | None) -> None:
     """Heterogeneity benchmarks in the lab (root): every scenario with every contender, All-Reduce
     DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
     Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
@@ -390,7 +393,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
 
     st = sc.Settings.quick() if quick else sc.Settings()
     for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time,
-                           topology=topology, non_iid=non_iid).items():
+                           topology=topology, non_iid=non_iid, async_budget=async_budget).items():
         if value is not None:
             setattr(st, key, value)
     names = list(scenario_names) or list(sc.SCENARIOS)
@@ -400,7 +403,8 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                f"{seeds or (1 if quick else 3)} seed(s); task {st.task} "
                f"({sc.model_bytes(st.task) / 1e6:.2f} MB per model), {st.iterations} iterations, "
                f"{st.step_time:g} s emulated compute per step, {st.topology} topology"
-               f"{', non-iid shards' if st.non_iid else ''}")
+               f"{', non-iid shards' if st.non_iid else ''}"
+               f"{', swarm budget for asynchronous contenders' if st.async_budget == 'swarm' else ''}")
     try:
         recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, config.load(),
                       echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)

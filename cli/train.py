@@ -55,13 +55,18 @@ def _line(p, iterations: int, width: int = 28) -> str:
 @click.option("--slow-factor", type=float, help="experiments: factor of a randomly slowed iteration")
 @click.option("--trace", is_flag=True, help="the trainer writes one JSON line per iteration to trace.jsonl "
                                             "in its checkpoint directory")
+@click.option("--budget", type=click.Choice(["host", "swarm"]), default="host", show_default=True,
+              help="host: each host runs --iterations; swarm: the hosts together run world x --iterations, "
+                   "so a fast host goes on while the slow ones catch up (for asynchronous algorithms: "
+                   "netmax, ad-psgd)")
 @click.option("--eval-every", type=int, default=50, show_default=True, help="evaluate every N iterations")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
 @data_dir_option
 def train(task, script, algorithm, model_bytes, topology, world, max_world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
-          lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, eval_every, join_timeout, as_json, data_dir) -> None:
+          lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, budget, eval_every, join_timeout, as_json,
+          data_dir) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
     The local daemon waits until the run's world is present, starts the trainer (restarting it from
@@ -88,6 +93,8 @@ def train(task, script, algorithm, model_bytes, topology, world, max_world, iter
                                           slow_prob=slow_prob, slow_factor=slow_factor).items() if v is not None}
     if trace:
         options["trace"] = "true"
+    if budget != "host":
+        options["budget"] = budget
     if skip is not None:
         options["skip"] = "true" if skip else "false"
     if model_bytes:

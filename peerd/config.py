@@ -166,6 +166,8 @@ class Config:
                                         "not found, or no reply) before the policy pulls another peer or takes "
                                         "the local step, plus the transfer's allowance (train_transfer_slack); "
                                         "keep it below train_silent_peer_timeout")
+    train_budget_interval: float = _f(1.0, "`peerd train --budget swarm`: seconds between counts of the run's "
+                                           "iterations over its hosts (one small RPC to each member)")
     train_transfer_slack: float = _f(2.0, "the pull and silent-neighbour bounds grow by this many times the model's "
                                           "expected transfer from that peer (bytes over the measured bandwidth, "
                                           "or over dataplane_min_rate where unmeasured), up to half of "
@@ -426,7 +428,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"link_capacity_confirm ({cfg.link_capacity_confirm}) must be >= 0")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
                  "link_capacity_window", "link_gossip_full_interval", "peer_gossip_full_interval",
-                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout"):
+                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout", "train_budget_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
     for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries",

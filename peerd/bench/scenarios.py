@@ -73,6 +73,7 @@ class Settings:
     step_time: float = 0.1        # emulated compute seconds per step on a host with slowdown 1
     topology: str = "ring"
     non_iid: bool = False         # label-sorted shards: each host sees few classes, so mixing decides accuracy
+    async_budget: str = "host"    # asynchronous contenders: each host's iterations, or the swarm's (--budget)
     hosts: int | None = None      # override every scenario's host count (tests)
 
     @classmethod
@@ -290,6 +291,12 @@ def _iter_watch(files: RunFiles) -> Callable[[], str]:
     return watch
 
 
+def budget(contender: str, st: Settings) -> str:
+    """`peerd train --budget` of a contender: the swarm's only for asynchronous ones, when asked."""
+    from peerd.sync.registry import ASYNCHRONOUS
+    return "swarm" if st.async_budget == "swarm" and contender in ASYNCHRONOUS else "host"
+
+
 def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run_dir: Path, cfg: Config,
               echo: Callable[[str], None]) -> RunFiles:
     files = RunFiles()
@@ -301,7 +308,8 @@ def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run
                    "--iterations", str(st.iterations), "--seed", str(seed), "--eval-every", str(st.eval_every),
                    "--topology", st.topology, "--slowdown", f"{lb.slowdown(h):g}", "--step-time", str(st.step_time),
                    "--slow-prob", str(sc.slow_prob), "--slow-factor", str(sc.slow_factor), "--trace", "--json",
-                   "--join-timeout", str(cfg.bench_swarm_timeout), *(["--non-iid"] if st.non_iid else []))
+                   "--join-timeout", str(cfg.bench_swarm_timeout), *(["--non-iid"] if st.non_iid else []),
+                   "--budget", budget(algo, st))
         with open(files.progress[h], "w") as fh:  # a file, not a pipe: a full pipe would stall the stream
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True))
     # the trainers' checkpoint dirs appear once the run forms; the watcher finds them as they do
@@ -523,7 +531,7 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
     return {
         "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(hosts),
         "task": st.task, "model_bytes": model_bytes(st.task), "iterations": st.iterations, "target": st.target,
-        "time_to_target_s": ttt, "reached_target": ttt is not None,
+        "budget": budget(contender, st), "time_to_target_s": ttt, "reached_target": ttt is not None,
         "wall_s": max(v["duration_s"] for v in per_host.values()),
         "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),

@@ -163,6 +163,8 @@ class RunSpec:
             raise RunError("task: name a built-in task (digits, svm, lm) or a script")
         if r.world < 1:
             raise RunError("world: must be at least 1")
+        if r.options.get("budget", "host") not in ("host", "swarm"):
+            raise RunError(f"budget: expected host or swarm, got {r.options['budget']!r}")
         max_world = r.max_world or default_max_world or r.world
         if max_world < r.world:
             raise RunError(f"max-world: {max_world} is below world {r.world}")
@@ -255,6 +257,7 @@ class TrainingRun:
         self.notices_pending = 0               # our notices queued or in flight (a drain waits for them)
         self.paused = False
         self.stop_requested = False
+        self.stop_reason = ""
         self.checkpoint_dir = self._checkpoint_dir()
         self.returning: set[str] = set()   # peers back in membership, not yet back in this run
         self.readmitted: dict[int, int] = {}   # re-admitted at this iteration, until its next update
@@ -267,6 +270,10 @@ class TrainingRun:
         self.pull_times: collections.defaultdict[int, list[float]] = collections.defaultdict(list)  # answered pulls
         if registry.ESTIMATES.get(self.policy.name) == "pull":
             self._spawn(self._feed_estimates(), "link estimates")
+        self.swarm_budget = spec.options.get("budget", "host") == "swarm"
+        self.swarm_done = 0                    # --budget swarm: iterations the run's hosts did, as last counted
+        if self.swarm_budget:
+            self._spawn(self._watch_swarm_budget(), "swarm budget")
 
     def kind(self, base: str) -> str:
         return f"{base}:{self.tag}"
@@ -463,6 +470,7 @@ class TrainingRun:
                               iteration=max(d.iteration, await self._resume_point(), self.policy.k + 1))
         elif d.kind == kind.KIND_STOP:
             self.stop_requested = True
+            self.stop_reason = d.reason
             # The trainer stops at its next iteration boundary; a mix it waits for (on neighbours
             # that are stopping too) must not hold it there: it keeps its own parameters.
             for k in list(self.mix_waiters):
@@ -889,7 +897,7 @@ class TrainingRun:
         a late joiner trains on the shard of its rank mod world."""
         return self.rank % self.spec.world, self.spec.world
 
-    async def _member_iterations(self) -> dict[int, int]:
+    async def _member_iterations(self, quiet: bool = False) -> dict[int, int]:
         """Every other member's iteration in this run, asked with a RESUMING notice (bounded by
         rpc_timeout); -1 where its trainer has published nothing in this run, or it did not answer."""
         async def ask(i: int) -> tuple[int, int]:
@@ -900,7 +908,8 @@ class TrainingRun:
                 return i, await self.d.notice_trainer(m.address, self.tag, pb.TrainerNotice.STATE_RESUMING,
                                                       self.policy.k)
             except grpc.aio.AioRpcError as e:
-                log.info("%s did not answer: %s", self.nodes[i], e.code().name)
+                log.log(logging.DEBUG if quiet else logging.INFO, "%s did not answer: %s", self.nodes[i],
+                        e.code().name)
                 return i, -1
         return dict(await asyncio.gather(*(ask(i) for i in range(self.n) if i != self.rank and self.nodes[i])))
 
@@ -912,6 +921,30 @@ class TrainingRun:
         log.info("trainer restarted: resuming at iteration %d (own %d, neighbours %s)", max(start, self.policy.k + 1),
                  self.policy.k, self.resync)
         return start
+
+    async def _watch_swarm_budget(self) -> None:
+        """--budget swarm: the run's iterations are a budget for all its hosts together, world x
+        iterations, as asynchronous algorithms count them (a fast host does more than a slow one
+        instead of stopping early and leaving the slow ones to finish alone). Every
+        train_budget_interval the live members are asked their iteration (each member's highest
+        answer is kept: a finished or lost host still counts what it did); once the sum reaches
+        the budget, our trainer is stopped like `peerd ctl stop` does. The built-in trainer is
+        started with world x iterations as its own cap."""
+        budget = self.spec.iterations * self.spec.world
+        seen: dict[int, int] = {}
+        while not self.done.is_set() and not self.stop_requested:
+            await asyncio.sleep(self.d.cfg.train_budget_interval)
+            if self.policy.k < 0:
+                continue
+            for i, k in (await self._member_iterations(quiet=True)).items():
+                seen[i] = max(seen.get(i, 0), k + 1)
+            self.swarm_done = self.policy.k + 1 + sum(seen.values())
+            if self.swarm_done >= budget and not self.stop_requested:
+                log.info("the swarm's budget is spent: %d iterations done of %d (this host %d); stopping the trainer",
+                         self.swarm_done, budget, self.policy.k + 1)
+                await self.direct(cpb.Directive(kind=cpb.Directive.KIND_STOP,
+                                                reason="the swarm's iteration budget is spent"))
+                return
 
     def publish(self, req: cpb.PublishRequest) -> None:
         if self.layout is None:
@@ -1119,7 +1152,8 @@ class TrainingRun:
         s = self.spec
         if s.script:
             return [sys.executable, *s.script]
-        argv = [sys.executable, "-m", "peerd.train.worker", "--task", s.task, "--iterations", str(s.iterations),
+        cap = s.iterations * s.world if self.swarm_budget else s.iterations
+        argv = [sys.executable, "-m", "peerd.train.worker", "--task", s.task, "--iterations", str(cap),
                 "--seed", str(s.seed), "--eval-every", str(s.eval_every)]
         if s.non_iid:
             argv.append("--non-iid")
@@ -1163,7 +1197,8 @@ class TrainingRun:
                 code = await asyncio.to_thread(self.trainer.wait)
             if code == 0:
                 self.progress.state = "done"
-                self.progress.message = "trainer stopped by a directive" if self.stop_requested else "trainer finished"
+                self.progress.message = (self.stop_reason or "trainer stopped by a directive") if self.stop_requested \
+                    else "trainer finished"
                 self._announce(pb.TrainerNotice.STATE_FINISHED)
                 break
             if self.progress.state == "stopping":

@@ -26,6 +26,9 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "sgp": ("stochastic gradient push, directed one-peer exponential graph", {}),
 }
 
+# No barrier: each worker runs at its own pace (what `peerd train --budget swarm` is for).
+ASYNCHRONOUS = frozenset({"netmax", "netmax-uniform", "netmax-inv", "netmax-invsqrt", "ad-psgd"})
+
 # Which LinkEstimates matrix each algorithm consumes (see peerd.sim.engine.Simulator.estimates).
 ESTIMATES = {"aau": "arrival", "netmax": "pull", "netmax-uniform": "pull", "netmax-inv": "pull",
              "netmax-invsqrt": "pull"}
