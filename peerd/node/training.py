@@ -897,12 +897,13 @@ class TrainingRun:
         a late joiner trains on the shard of its rank mod world."""
         return self.rank % self.spec.world, self.spec.world
 
-    async def _member_iterations(self, quiet: bool = False) -> dict[int, int]:
+    async def _member_iterations(self, quiet: bool = False, every: bool = False) -> dict[int, int]:
         """Every other member's iteration in this run, asked with a RESUMING notice (bounded by
-        rpc_timeout); -1 where its trainer has published nothing in this run, or it did not answer."""
+        rpc_timeout); -1 where its trainer has published nothing in this run, or it did not answer.
+        Members the policy holds dead or absent are not asked unless `every`."""
         async def ask(i: int) -> tuple[int, int]:
             m = self.d.membership.get(self.nodes[i])
-            if m is None or i in self.policy.dead:
+            if m is None or (i in self.policy.dead and not every):
                 return i, -1
             try:
                 return i, await self.d.notice_trainer(m.address, self.tag, pb.TrainerNotice.STATE_RESUMING,
@@ -936,7 +937,8 @@ class TrainingRun:
             await asyncio.sleep(self.d.cfg.train_budget_interval)
             if self.policy.k < 0:
                 continue
-            for i, k in (await self._member_iterations(quiet=True)).items():
+            # Every member, the ones the policy does not wait for included (silent, finished): they count.
+            for i, k in (await self._member_iterations(quiet=True, every=True)).items():
                 seen[i] = max(seen.get(i, 0), k + 1)
             self.swarm_done = self.policy.k + 1 + sum(seen.values())
             if self.swarm_done >= budget and not self.stop_requested:
