@@ -69,6 +69,7 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
                     "final_accuracy", "time_to_target_s"):
             assert key in r, key
         assert r["hosts"] == 3 and r["profile"] == "straggler"
+        assert r["topology"] == "ring" and r["budget"] == "host"   # peerd plan check predicts with them
         assert set(r["per_host"]) == {"h1", "h2", "h3"}
         # h1 is the 4x straggler: its measured compute per step is ~4x the others'
         assert r["step_time_mean"] > 0.05

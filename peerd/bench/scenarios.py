@@ -531,7 +531,8 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
     return {
         "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(hosts),
         "task": st.task, "model_bytes": model_bytes(st.task), "iterations": st.iterations, "target": st.target,
-        "budget": budget(contender, st), "time_to_target_s": ttt, "reached_target": ttt is not None,
+        "budget": budget(contender, st), "topology": "ring" if contender == "ddp" else st.topology,  # DDP: gloo's ring
+        "time_to_target_s": ttt, "reached_target": ttt is not None,
         "wall_s": max(v["duration_s"] for v in per_host.values()),
         "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
