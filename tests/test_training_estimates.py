@@ -7,11 +7,14 @@ import dataclasses
 import time
 import types
 
+import torch
+
 from peerd.config import Config
 from peerd.net.links import LinkMatrix
 from peerd.node.training import RunSpec, TrainingRun
 from peerd.sync.events import WaitInfo
 from peerd.train.flat import Layout
+from peerd.v1 import control_pb2 as cpb
 
 NODES = ["a1", "a2", "a3", "b1", "b2", "b3"]          # two sites; ring a1-a2-a3-b1-b2-b3-a1
 
@@ -131,3 +134,41 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
     marks = asyncio.run(go())
     assert 0.48 <= marks["a2"] < 0.9, marks     # 0.5 s (+ 10 MB over 120 MB/s: 0.02 s)
     assert 0.98 <= marks["b3"] < 1.5, marks     # 0.5 + 0.5 s
+
+
+def _joiner(tmp_path, algorithm):
+    """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
+    a2 answers the join pull at iteration 20, every other member has published nothing yet."""
+    cfg = dataclasses.replace(Config(), run_id="t")
+    d = _daemon(tmp_path, cfg)
+    alive = types.SimpleNamespace(address="x:1", state=types.SimpleNamespace(value="alive"))
+    d.membership = types.SimpleNamespace(get=lambda node: alive)
+    layout = Layout.build([("w", "float32", (16,))])
+
+    async def pull_tensor(address, node, kind="model"):
+        return types.SimpleNamespace(iteration=20, nbytes=layout.total_bytes,
+                                     buffer=torch.zeros(layout.total_bytes, dtype=torch.uint8),
+                                     release=lambda: None)
+    d.pull_tensor = pull_tensor
+
+    async def go():
+        run = TrainingRun(d, _spec(algorithm), NODES)
+        run.layout = layout
+        run.slots = [torch.zeros(layout.total_bytes, dtype=torch.uint8)]
+
+        async def nothing_published(quiet=False, every=False):
+            return {i: -1 for i in range(1, len(NODES))}
+        run._member_iterations = nothing_published
+        reply = await run.join_swarm(cpb.AttachReply())
+        for task in list(run._tasks):
+            task.cancel()
+        return run, reply
+    return asyncio.run(go())
+
+
+def test_a_join_marks_starting_members_absent_only_under_a_policy_that_waits_for_updates(tmp_path):
+    run, reply = _joiner(tmp_path, "d-psgd")
+    assert reply.start_iteration == 20 and set(run.absent.values()) == {"restarting"} and len(run.absent) == 5
+    for algorithm in ("netmax", "ad-psgd"):
+        run, reply = _joiner(tmp_path, algorithm)
+        assert reply.start_iteration == 20 and run.absent == {}, (algorithm, run.absent)

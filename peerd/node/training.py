@@ -844,10 +844,13 @@ class TrainingRun:
         self.join_note = reply.join_note = note
         # Members with nothing published in this run (their trainer is starting too: several hosts
         # restarted together) are absent until their first update, not waited on for
-        # train_silent_peer_timeout at our first mixes.
-        for i, k in (await self._member_iterations()).items():
-            if k < 0:
-                self._set_absent(i, "restarting")
+        # train_silent_peer_timeout at our first mixes. Not under a pull policy: it gets no update
+        # it did not ask for, and it would never ask an absent member, so it would leave that
+        # member out for the whole run (a pull of a trainer still starting fails within its bound).
+        if self.spec.algorithm not in registry.ASYNCHRONOUS:
+            for i, k in (await self._member_iterations()).items():
+                if k < 0:
+                    self._set_absent(i, "restarting")
         self.progress.message = note
         log.info("join: %s", note)
         self.changed.set()
