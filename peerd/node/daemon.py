@@ -323,11 +323,13 @@ class Daemon:
         return pb.Hello(node_id=self.node_id, protocol_version=PROTOCOL_VERSION, run_id=self.cfg.run_id,
                         address=self.address, capabilities=caps_to_pb(self.caps), incarnation=self.incarnation)
 
-    def peer_infos(self, peer: str | None = None, way: str = "") -> tuple[list[pb.PeerInfo], GossipMark | None]:
-        """Peer-table rows for a Hello reply (`peer` None: the whole table) or for one heartbeat or
-        reply to `peer` (what is news to it), with the mark to pass to membership.gossiped."""
-        if peer is None:
-            return [member_to_pb(m) for m in self.membership.members.values()], None
+    def peer_table(self) -> list[pb.PeerInfo]:
+        """The whole peer table, for a Hello reply."""
+        return [member_to_pb(m) for m in self.membership.members.values()]
+
+    def peer_news(self, peer: str, way: str) -> tuple[list[pb.PeerInfo], GossipMark]:
+        """Peer-table rows for one heartbeat ("hb") or reply ("reply") to `peer`: what is news to
+        it, with the mark to pass to membership.gossiped once delivered."""
         rows, mark = self.membership.gossip_rows(peer, way, time.monotonic())
         return [member_to_pb(m) for m in rows], mark
 
@@ -445,7 +447,7 @@ class Daemon:
         method = f"/{PEER_SERVICE}/SendHeartbeat"
         self._hb_seq += 1
         links, mark = self.links.gossip(m.node_id, "hb")
-        peers, peers_mark = self.peer_infos(m.node_id, "hb")
+        peers, peers_mark = self.peer_news(m.node_id, "hb")
         msg = pb.Heartbeat(node_id=self.node_id, incarnation=self.incarnation, seq=self._hb_seq,
                            peers=peers, address=self.address, links=links)
         stub = self._channel(m.address).unary_unary(method, request_serializer=pb.Heartbeat.SerializeToString,

@@ -67,7 +67,7 @@ class PeerService:
                    caps_from_pb(request.capabilities), how="incoming Hello")
         nonce = _caller(context).get(NONCE_KEY, "")
         await context.send_initial_metadata(((REPLY_MAC_KEY, d.auth.reply_mac(nonce)),))
-        return pb.HelloReply(node=d.hello_message(), peers=d.peer_infos()[0])
+        return pb.HelloReply(node=d.hello_message(), peers=d.peer_table())
 
     def _reachable_address(self, claimed: str, context) -> str | None:
         """The address to dial the caller back: its claim, with an unspecified host replaced by the
@@ -93,7 +93,7 @@ class PeerService:
         d.links.merge(request.node_id, request.links)
         links, mark = d.links.gossip(request.node_id, "reply")
         d.links.gossiped(request.node_id, "reply", mark)   # no acknowledgement: the full refresh repairs losses
-        peers, peers_mark = d.peer_infos(request.node_id, "reply")
+        peers, peers_mark = d.peer_news(request.node_id, "reply")
         d.membership.gossiped(request.node_id, "reply", peers_mark)
         return pb.HeartbeatReply(node_id=d.node_id, incarnation=d.incarnation, peers=peers, links=links)
 

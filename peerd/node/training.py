@@ -271,7 +271,6 @@ class TrainingRun:
         if registry.ESTIMATES.get(self.policy.name) == "pull":
             self._spawn(self._feed_estimates(), "link estimates")
         self.swarm_budget = spec.options.get("budget", "host") == "swarm"
-        self.swarm_done = 0                    # --budget swarm: iterations the run's hosts did, as last counted
         if self.swarm_budget:
             self._spawn(self._watch_swarm_budget(), "swarm budget")
 
@@ -943,10 +942,10 @@ class TrainingRun:
             # Every member, the ones the policy does not wait for included (silent, finished): they count.
             for i, k in (await self._member_iterations(quiet=True, every=True)).items():
                 seen[i] = max(seen.get(i, 0), k + 1)
-            self.swarm_done = self.policy.k + 1 + sum(seen.values())
-            if self.swarm_done >= budget and not self.stop_requested:
+            done = self.policy.k + 1 + sum(seen.values())
+            if done >= budget and not self.stop_requested:
                 log.info("the swarm's budget is spent: %d iterations done of %d (this host %d); stopping the trainer",
-                         self.swarm_done, budget, self.policy.k + 1)
+                         done, budget, self.policy.k + 1)
                 await self.direct(cpb.Directive(kind=cpb.Directive.KIND_STOP,
                                                 reason="the swarm's iteration budget is spent"))
                 return
