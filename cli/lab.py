@@ -195,7 +195,7 @@ def _print_status(st: dict, as_json: bool) -> None:
         click.echo(json.dumps(st, indent=1))
         return
     click.echo(f"lab {st['id']} ({st['phase']}), profile {st['profile']}, subnet {st['subnet']}, "
-               f"run id {st['run_id']}, dir {st['dir']}")
+               f"run id {st['run_id']}, dir {st['dir']}, TCP congestion control {st.get('tcp_congestion_control')}")
     click.echo(f"{'host':<6} {'ip':<15} {'site':<8} {'link':<9} {'slowdown':<9} {'netns':<6} daemon")
     for name, h in st["hosts"].items():
         d = "-" if h["daemon_pid"] is None else f"{h['daemon_pid']} ({'up' if h['daemon_alive'] else 'DEAD'})"

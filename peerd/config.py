@@ -194,6 +194,10 @@ class Config:
                                                     "off, an idle connection keeps its congestion window (WAN tuning; "
                                                     "otherwise each 1 MB exchange over a 40 ms link restarts from 10 "
                                                     "segments and takes ~6 round trips)", scope="lab")
+    lab_tcp_congestion_control: str = _f("cubic", "TCP congestion control of every lab host's namespace (Linux's default, "
+                                                   "cubic: this machine defaults to bbr, whose losses in a shallow queue "
+                                                   "fed by a faster link cost a gloo all-reduce of 1.1 MB 13 % more); "
+                                                   "'' keeps the kernel's default", scope="lab")
     lab_wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping", scope="lab")
 
     # --- sync policy (peerd/sync; read by the daemon and by `peerd sim`) -----------------------

@@ -56,10 +56,10 @@ def leftovers(lab_id: str) -> tuple[list[str], list[str]]:
 def make_lab(tmp_path):
     made: list[Path] = []
 
-    def make(prof: profile.Profile, **kw) -> lab.Lab:
+    def make(prof: profile.Profile, cfg_overrides: dict | None = None, **kw) -> lab.Lab:
         d = tmp_path / f"lab{len(made)}"
         made.append(d)
-        lab.up(prof, d, Config(), **kw)
+        lab.up(prof, d, Config(**(cfg_overrides or {})), **kw)
         return lab.Lab(d)
 
     yield make
@@ -90,6 +90,27 @@ def test_hosts_reach_each_other_only_inside_the_lab(make_lab):
     assert lab.down(lb.dir) is not None
     assert leftovers(lab_id) == ([], [])
     assert lab.down(lb.dir) is None  # idempotent
+
+
+def test_congestion_control_is_the_configured_one_in_every_host_or_the_default_with_the_fix_named(make_lab, capsys):
+    """lab_tcp_congestion_control (peerd.lab.lab._set_congestion_control): reno is allowed in every
+    network namespace (the kernel's default list), so the hosts run it and the state records it;
+    an algorithm the namespaces may not use leaves them all as they were (at lab up: on the kernel's
+    default), recorded, and a warning says how to allow it."""
+    kernel_default = netns.run(["sysctl", "-n", lab.CC_KEY], 10).strip()
+    want = "reno" if kernel_default != "reno" else ""
+    prof = profile.load("straggler", 2)
+    lb = make_lab(prof, daemons=False, cfg_overrides={"lab_tcp_congestion_control": want})
+    running = {h: netns.run(["ip", "netns", "exec", lb.ns(h), "sysctl", "-n", lab.CC_KEY], 10).strip() for h in lb.hosts}
+    assert set(running.values()) == {want or kernel_default} == {lb.state["tcp_congestion_control"]}, running
+    capsys.readouterr()
+    # Refused: the namespaces keep what they ran (at lab up, the kernel's default), and say so.
+    before = lb.state["tcp_congestion_control"]
+    got = lab._set_congestion_control([lb.ns(h) for h in lb.hosts], "no-such-algorithm", 10)
+    err = capsys.readouterr().err
+    running = {h: netns.run(["ip", "netns", "exec", lb.ns(h), "sysctl", "-n", lab.CC_KEY], 10).strip() for h in lb.hosts}
+    assert got == before and set(running.values()) == {before}, (got, running)
+    assert "'no-such-algorithm' refused" in err and "tcp_allowed_congestion_control" in err, err
 
 
 RATE_DELAY = """

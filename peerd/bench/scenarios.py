@@ -666,6 +666,8 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                     # the machine's 1-minute load average before and after: timings on a shared
                     # machine are only comparable at like loads
                     rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+                    # TCP's congestion control changes what a shallow queue behind a faster link costs
+                    rec["tcp_congestion_control"] = lb.state.get("tcp_congestion_control")
                     records.append(rec)
                     for path in (results_path, json_file):
                         if path is not None:

@@ -188,6 +188,34 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
     return state
 
 
+CC_KEY = "net.ipv4.tcp_congestion_control"
+
+
+def _set_congestion_control(namespaces: list[str], want: str, timeout: float) -> str:
+    """Make `want` the TCP congestion control of every namespace; return what they run. A network
+    namespace may only default to an algorithm in the host's net.ipv4.tcp_allowed_congestion_control:
+    where `want` is not, the namespaces keep what they run (at lab up: the kernel's default) and a
+    warning says how to allow it (the lab changes nothing outside its own namespaces)."""
+    def set_all(name: str) -> None:
+        for ns in namespaces:
+            netns.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{CC_KEY}={name}"], timeout)
+
+    default = netns.run(["ip", "netns", "exec", namespaces[0], "sysctl", "-n", CC_KEY], timeout).strip()
+    if not want or want == default:
+        return default
+    try:
+        set_all(want)
+    except LabError as e:
+        print(f"peerd lab: TCP congestion control {want!r} refused in the lab's namespaces ({e}); they keep "
+              f"{default!r}. To allow {want!r}: sysctl -w "
+              f"net.ipv4.tcp_allowed_congestion_control=\"$(sysctl -n net.ipv4.tcp_allowed_congestion_control) "
+              f"{want}\" (or set lab_tcp_congestion_control to an allowed one, or '' for the default)",
+              file=sys.stderr)
+        set_all(default)    # all alike, whichever namespace refused
+        return default
+    return want
+
+
 def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, daemons: bool,
            daemon_args: tuple[str, ...], python: str, seeds: bool = True) -> None:
     lab_id, t = state["id"], cfg.lab_cmd_timeout
@@ -235,6 +263,9 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
         # Per network namespace: the same for every process of the host (daemons, DDP, probes).
         netns.run(["ip", "netns", "exec", h["ns"], "sysctl", "-qw",
                    f"net.ipv4.tcp_slow_start_after_idle={int(cfg.lab_tcp_slow_start_after_idle)}"], t)
+    state["tcp_congestion_control"] = _set_congestion_control([h["ns"] for h in hosts.values()],
+                                                              cfg.lab_tcp_congestion_control, t)
+    _save(lab_dir, state)
 
     # Delay wires: one process per delayed site, holding its two TAPs.
     for s in profile.sites:
@@ -384,6 +415,7 @@ def status(lab_dir: str | os.PathLike) -> dict[str, Any]:
     present = netns.ns_list()
     procs = {p["role"]: p for p in state["processes"]}
     out = {k: state[k] for k in ("id", "run_id", "dir", "phase", "profile", "subnet")}
+    out["tcp_congestion_control"] = state.get("tcp_congestion_control")
     out["hosts"] = {}
     for name, h in state["hosts"].items():
         d = procs.get(f"daemon:{name}")
