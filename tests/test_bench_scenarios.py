@@ -12,6 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from peerd.lab import lab, netns
 from peerd.train.pace import Pace
 from tests.test_daemon_lab import _WHY   # why lab tests cannot run here (None: they can)
 
@@ -70,6 +71,8 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
             assert key in r, key
         assert r["hosts"] == 3 and r["profile"] == "straggler"
         assert r["topology"] == "ring" and r["budget"] == "host"   # peerd plan check predicts with them
+        # what the lab's hosts ran: the configured cubic, or the kernel's default where it refused it
+        assert r["tcp_congestion_control"] in {"cubic", netns.run(["sysctl", "-n", lab.CC_KEY], 10).strip()}, r
         assert set(r["per_host"]) == {"h1", "h2", "h3"}
         # h1 is the 4x straggler: its measured compute per step is ~4x the others'
         assert r["step_time_mean"] > 0.05

@@ -19,7 +19,12 @@ Inputs to the model, all measured in the record, nothing from the profile on top
   call's own cost of a few ms is on the predicted side, unmodelled); absent (older records):
   Config.plan_overhead;
 - the ring order (per_host[h].rank; absent: host order);
-- the network from the profile (links are not measured per run);
+- the network from the profile (links are not measured per run); the model's links are ideal TCP
+  at the goodput of their rate, which a lab host on cubic matches (docs/bench/experiments/
+  allreduce_tcp.py: gloo's all-reduce of 1.1 MB on the star, 1.529 s against the ring's 1.53 s)
+  and one on bbr does not behind a shallow queue fed by a faster link (1.743 s, some 250
+  retransmitted segments per all-reduce from each 100 Mbit host); the table's tcp column says
+  which ran (record field tcp_congestion_control);
 - DDP without overlap: the benchmark pads compute before backward(), so its all-reduces hide
   behind nothing.
 Records older than per-host compute (no compute_mean_s) fall back to each host's busy share
@@ -63,6 +68,7 @@ class Row:
     exact: bool = True          # per-host compute measured (False: an older record's busy share)
     overhead: bool = True       # per-host overhead measured (False: Config.plan_overhead)
     load: float | None = None   # the machine's load average during the run (record's load_avg, max)
+    tcp: str | None = None      # the lab hosts' TCP congestion control (None: an older record)
 
     @property
     def error(self) -> float:
@@ -90,7 +96,7 @@ class Scenario:
                 "rows": [{"contender": r.contender, "topology": r.topology, "measured_s": r.measured,
                           "predicted_s": r.predicted, "error": r.error, "flagged": r.flagged,
                           "compute_measured_per_host": r.exact, "overhead_measured": r.overhead,
-                          "load_avg": r.load}
+                          "load_avg": r.load, "tcp_congestion_control": r.tcp}
                          for r in self.rows]}
 
 
@@ -190,7 +196,7 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(
             Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred), exact, over is not None,
-                _load(rec)))
+                _load(rec), rec.get("tcp_congestion_control")))
     out = []
     for name, rows in by_scen.items():
         per = medians(rows)
@@ -211,12 +217,12 @@ def medians(rows: list[Row]) -> list[Row]:
 
 def render(scens: list[Scenario]) -> str:
     lines = [f"{'scenario':16s} {'contender':20s} {'topology':12s} {'measured_s':>10s} {'predicted_s':>11s} "
-             f"{'error':>7s} {'load':>5s}"]
+             f"{'error':>7s} {'load':>5s} {'tcp':>5s}"]
     lines.append("-" * len(lines[0]))
     for s in scens:
         for r in s.rows:
             lines.append(f"{s.name:16s} {r.contender:20s} {r.topology:12s} {r.measured:10.4f} {r.predicted:11.4f} "
-                         f"{r.error:+7.1%} {'' if r.load is None else f'{r.load:5.1f}':>5s}"
+                         f"{r.error:+7.1%} {'' if r.load is None else f'{r.load:5.1f}':>5s} {r.tcp or '?':>5s}"
                          f"{'  > 25 %' if r.flagged else ''}"
                          f"{'' if r.exact else '  (old record: busy share, no spread)'}"
                          f"{'' if r.overhead or not r.exact else '  (no measured overhead)'}")
