@@ -186,7 +186,8 @@ class Config:
     lab_cmd_timeout: float = _f(20.0, "bound on one ip/tc command (or batch) run by the lab, seconds", scope="lab")
     lab_ready_timeout: float = _f(15.0, "seconds a lab delay wire or daemon may take to come up", scope="lab")
     lab_stop_grace: float = _f(3.0, "seconds between SIGTERM and SIGKILL when the lab stops a process", scope="lab")
-    lab_queue_ms: float = _f(20.0, "leaf queue of a shaped lab class, in milliseconds at its rate", scope="lab")
+    lab_queue_ms: float = _f(20.0, "leaf queue of a shaped lab class, in milliseconds at its rate; a class "
+                                   "behind a delayed site link holds its round trip's worth more (one BDP)", scope="lab")
     lab_queue_min_bytes: int = _f(131072, "smallest leaf queue of a shaped lab class, bytes "
                                           "(below one 64 KiB GSO packet TCP stalls)", scope="lab")
     lab_control_share: float = _f(0.05, "share of a shaped lab link guaranteed to small control packets", scope="lab")

@@ -50,6 +50,25 @@ def test_leaf_queues_hold_a_gso_packet(rate):
     assert limits and min(limits) >= 65536  # a smaller leaf drops every 64 KiB GSO skb: TCP stalls
 
 
+def test_a_class_behind_a_round_trip_queues_one_bandwidth_delay_product_more():
+    # the two-sites cut: 50 Mbit, 20 ms each way. 20 ms of queue at the rate is 125 kB, under the
+    # 128 kB floor; the 40 ms round trip adds 250 kB, so cubic halving its window keeps the link busy.
+    flat, cut = (shaping.htb_commands("a", None, [shaping.DstClass(5 * 10**7, ("10.0.0.0/24",), rtt_s=rtt)], **Q)
+                 for rtt in (0.0, 0.04))
+    limit = lambda lines: [int(m.group(1)) for ln in lines if "handle 100:" in ln
+                           and (m := re.search(r"bfifo limit (\d+)", ln))]
+    assert limit(flat) == [131072]
+    assert limit(cut) == [5 * 10**7 // 8 * 60 // 1000]   # (20 ms + 40 ms) at 50 Mbit = 375 kB
+
+
+def test_two_site_profile_gives_each_cut_its_round_trip():
+    from peerd.lab import profile
+    prof = profile.load("two-sites-6")
+    sites = prof.sites
+    assert prof.site_rtt(sites[0], sites[1]) == pytest.approx(0.04)
+    assert prof.site_rtt(sites[0], sites[0]) == 0.0
+
+
 def test_small_packets_go_to_the_control_class_first():
     lines = shaping.htb_commands("eth0", 10**7, [], **Q)
     ctl = [ln for ln in lines if "flowid 1:2" in ln]

@@ -292,7 +292,8 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
                     shaping.htb_commands("eth0", h.link_bps, shaping.per_destination(rates), **q), t)
         sw_tc += shaping.htb_commands(f"v{lab_id}h{h.index}", h.link_bps, [], **q)
     for s, (a, _) in uplink.items():
-        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)))
+        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)),
+                                    rtt_s=profile.site_rtt(src, dst))
                    for (src, dst), l in profile.site_links.items() if src == s and l.rate_bps]
         sw_tc += shaping.htb_commands(a, None, classes, **q)
     netns.batch("tc", sw, sw_tc, t)

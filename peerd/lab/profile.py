@@ -95,6 +95,10 @@ class Profile:
         link = self.site_links.get((self.host(src).site, self.host(dst).site))
         return link.delay_s if link else 0.0
 
+    def site_rtt(self, a: str, b: str) -> float:
+        """Round trip between sites a and b in seconds: both one-way delays."""
+        return sum(l.delay_s for l in (self.site_links.get((a, b)), self.site_links.get((b, a))) if l)
+
     @property
     def delayed_sites(self) -> list[str]:
         """Sites whose uplink needs the userspace delay wire (some outgoing delay or loss)."""
