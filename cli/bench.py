@@ -363,7 +363,8 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
 @click.option("--quick", is_flag=True, help="100 iterations, target 80 %, 1 seed, contenders ddp, hop-backup-skip, netmax (~28 min)")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="also append each record here")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="run directory (default: bench-<time>); an existing one with the same settings is added to")
+              help="run directory (default: bench-<time>); an existing one with the same settings is resumed: "
+                   "runs already recorded there are skipped, the others added")
 @click.option("--seeds", default=None, type=click.IntRange(1, 20), help="seeds per run (default 3; --quick: 1)")
 @click.option("--scenario", "scenario_names", multiple=True, help="only these scenarios (repeat)")
 @click.option("--contender", "contender_names", multiple=True, help="only these contenders (repeat): ddp or an algorithm")

@@ -53,10 +53,11 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     from cli.main import cli
 
     out = tmp_path / "run"
-    res = CliRunner().invoke(cli, ["bench", "scenarios", "--out", str(out), "--scenario", "straggler",
-                                   "--contender", "ddp", "--contender", "hop-backup-skip", "--hosts", "3",
-                                   "--iterations", "20", "--seeds", "1", "--target", "0.2",
-                                   "--step-time", "0.05", "--non-iid", "--json", str(tmp_path / "r.jsonl")],
+    args = ["bench", "scenarios", "--out", str(out), "--scenario", "straggler",
+            "--contender", "ddp", "--contender", "hop-backup-skip", "--hosts", "3",
+            "--iterations", "20", "--seeds", "1", "--target", "0.2",
+            "--step-time", "0.05", "--non-iid", "--json", str(tmp_path / "r.jsonl")]
+    res = CliRunner().invoke(cli, args,
                                   env={"PEERD_LAB_READY_TIMEOUT": "60",   # a loaded CI machine
                                        # the quiet check passes at once: the warm-up wait would take a minute
                                        "PEERD_BENCH_QUIET_RATE": "1e12", "PEERD_BENCH_QUIET_WINDOW": "1"})
@@ -95,6 +96,11 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     # no namespace of the run is left behind
     lab_state = out / "straggler" / "lab" / "state.json"
     assert not lab_state.exists()
+    # the same command again resumes the run: everything is recorded, so nothing runs (no lab)
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 0 and "2 of 2 runs are already recorded" in again.output, again.output
+    assert "starting the lab" not in again.output and "| straggler | hop-backup-skip |" in again.output
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
     rep = CliRunner().invoke(cli, ["report", str(out)])
     assert rep.exit_code == 0, rep.output
     for name in ("straggler-accuracy.png", "straggler-progress.png", "straggler-links.png"):

@@ -586,6 +586,20 @@ def host_summary(per_host: dict[str, dict[str, Any]], contender: str, egress: di
 
 # --- the whole benchmark ----------------------------------------------------------------------
 
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a results.jsonl (none if it does not exist); a torn last line (the run
+    killed while writing it) is skipped, so the run it describes counts as not run."""
+    if not path.exists():
+        return []
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return recs
+
+
 def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, out: Path,
         cfg: Config | None = None, echo: Callable[[str], None] = print,
         json_file: Path | None = None) -> list[dict[str, Any]]:
@@ -615,12 +629,20 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         meta["started"], meta["seeds"] = old["started"], max(old["seeds"], seeds)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     results_path = out / "results.jsonl"
-    records: list[dict[str, Any]] = []
-    total = len(scenarios) * len(contenders) * seeds
+    # Resuming: a run already recorded here (failed ones too: a failure is a result) is not run
+    # again, so a matrix of hours can be run in parts, or finished after an interruption.
+    wanted = {(s, c, k) for s in scenarios for c in contenders for k in range(seeds)}
+    records = [r for r in load_records(results_path) if (r["scenario"], r["contender"], r["seed"]) in wanted]
+    done = {(r["scenario"], r["contender"], r["seed"]) for r in records}
+    total = len(wanted) - len(done)
+    if done:
+        echo(f"{len(done)} of {len(wanted)} runs are already recorded in {results_path}; running the other {total}")
     n = 0
     started = time.monotonic()
     port = cfg.bench_master_port
     for name in scenarios:
+        if all((name, c, k) in done for c in contenders for k in range(seeds)):
+            continue
         sc = SCENARIOS[name]
         hosts = st.hosts or sc.hosts
         prof = profile.load(sc.profile, hosts)
@@ -640,6 +662,8 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                 {h: {"node_id": ids[h], "ip": lb.ip(h), "slowdown": lb.slowdown(h)} for h in lb.hosts}, indent=2))
             for seed in range(seeds):
                 for contender in contenders:
+                    if (name, contender, seed) in done:
+                        continue
                     n += 1
                     run_dir = out / name / contender / f"seed{seed}"
                     run_dir.mkdir(parents=True, exist_ok=True)
