@@ -113,6 +113,29 @@ def test_check_feeds_the_measured_per_host_compute_without_the_profile_factor():
     assert scen[0].rows[0].load == 7.25 and " 7.2" in check.render(scen)
 
 
+def test_check_marks_runs_on_a_cpu_saturated_machine():
+    rec = _record("ad-psgd", [0.1] * 6, 0.3)
+    calm, busy, old = (check.check([r], _load)[0] for r in ({**rec, "cpu_busy": 0.4}, {**rec, "cpu_busy": 0.97}, rec))
+    assert calm.rows[0].cpu == 0.4 and not calm.rows[0].cpu_saturated
+    assert busy.rows[0].cpu_saturated and old.rows[0].cpu is None and not old.rows[0].cpu_saturated
+    out = check.render([calm, busy, old])
+    assert " 40%" in out and " 97%" in out and "(CPU saturated" in out
+    assert "1 run(s) on a machine at least 90 % busy (1 of them beyond 25 %)" in out
+    assert busy.record()["rows"][0]["cpu_saturated"] is True
+
+
+def test_tx_sampler_reads_the_machine_cpu_busy_share():
+    class Fake(sc.TxSampler):
+        def __init__(self):
+            self.cpu = [(0.0, 100, 1000), (10.0, 1100, 2000), (20.0, 1200, 3000)]
+    f = Fake()
+    assert f.cpu_busy(0.0, 10.0) == pytest.approx(1.0)
+    assert f.cpu_busy(10.0, 20.0) == pytest.approx(0.1)
+    assert f.cpu_busy(5.0, 15.0) == pytest.approx(0.55)
+    busy, total = sc.TxSampler.cpu_jiffies()   # this machine's /proc/stat
+    assert 0 <= busy <= total and total > 0
+
+
 def test_check_predicts_the_mean_over_hosts_for_asynchronous_contenders():
     comp = [0.4, 0.1, 0.1, 0.1, 0.1, 0.1]
     [s] = check.check([_record("ad-psgd", comp, 0.16), _record("d-psgd", comp, 0.42)], _load)

@@ -109,6 +109,7 @@ class TxSampler:
         pids = {p["role"]: p["pid"] for p in lb.state["processes"]}
         self.paths = {h: Path(f"/proc/{pids[f'daemon:{h}']}/net/dev") for h in lb.hosts}
         self.samples: dict[str, list[tuple[float, int, int, int]]] = {h: [] for h in lb.hosts}
+        self.cpu: list[tuple[float, int, int]] = []   # (time, busy jiffies, all jiffies) of the machine
         self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -133,7 +134,19 @@ class TxSampler:
             self.sample()
             self._stop.wait(self.interval)
 
+    @staticmethod
+    def cpu_jiffies() -> tuple[int, int]:
+        """(busy, all) jiffies of every core since boot, from /proc/stat's "cpu" line (user nice
+        system idle iowait irq softirq steal ...; guest time is inside user)."""
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        idle = fields[3] + fields[4]
+        return sum(fields) - idle, sum(fields)
+
     def sample(self) -> None:
+        try:
+            self.cpu.append((time.time(), *self.cpu_jiffies()))
+        except (OSError, ValueError, IndexError):
+            pass
         for h in self.samples:
             try:
                 self.samples[h].append((time.time(), *self.counters(h)))
@@ -153,22 +166,32 @@ class TxSampler:
         """Bytes (or another field's count) from wall time t0 to t1, linearly interpolated
         between samples."""
         pts = [(p[0], p[field]) for p in self.samples[h]]
+        return int(_interpolate(pts, t1) - _interpolate(pts, t0))
 
-        def at(t: float) -> float:
-            if not pts:
-                return 0.0
-            if t <= pts[0][0]:
-                return pts[0][1]
-            for (ta, a), (tb, b) in zip(pts, pts[1:]):
-                if ta <= t <= tb:
-                    return a + (b - a) * (t - ta) / max(tb - ta, 1e-9)
-            return pts[-1][1]
-        return int(at(t1) - at(t0))
+    def cpu_busy(self, t0: float, t1: float) -> float | None:
+        """Share of the machine's CPU time (all cores) that was busy from t0 to t1. Near 1, the
+        hosts queued for cores, which the runtime model (a core per host) does not know."""
+        busy = [(t, b) for t, b, _ in self.cpu]
+        total = [(t, a) for t, _, a in self.cpu]
+        spent = _interpolate(total, t1) - _interpolate(total, t0)
+        return (_interpolate(busy, t1) - _interpolate(busy, t0)) / spent if spent > 0 else None
 
     def retransmitted(self, h: str, t0: float, t1: float) -> float | None:
         """Share of the TCP segments h sent from t0 to t1 that were retransmissions."""
         out = self.between(h, t0, t1, self.TCP_OUT)
         return self.between(h, t0, t1, self.TCP_RETRANS) / out if out > 0 else None
+
+
+def _interpolate(pts: list[tuple[float, float]], t: float) -> float:
+    """A counter's value at time t from (time, value) samples, linear between them."""
+    if not pts:
+        return 0.0
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (ta, a), (tb, b) in zip(pts, pts[1:]):
+        if ta <= t <= tb:
+            return a + (b - a) * (t - ta) / max(tb - ta, 1e-9)
+    return pts[-1][1]
 
 
 def _mean_known(values: Any) -> float | None:
@@ -538,6 +561,8 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
         "idle_fraction": statistics.mean(v["idle_fraction"] for v in per_host.values()),
         "bytes_sent": sent, "bytes_per_step": None if sent is None else sent / steps,
         "tcp_retransmitted": _mean_known(v.get("tcp_retransmitted") for v in per_host.values()),
+        # the machine's busy share of all its cores over the run, and how many there are
+        "cpu_busy": sampler.cpu_busy(t0, t_end) if sampler else None, "cpus": os.cpu_count(),
         "final_accuracy": averaged_accuracy(st.task, files.models),
         **times,
         "step_time_setting": st.step_time, "slow_prob": sc.slow_prob, "slow_factor": sc.slow_factor,

@@ -31,7 +31,9 @@ Records older than per-host compute (no compute_mean_s) fall back to each host's
 (1 - idle_fraction) * duration_s / steps with no spread, and say so.
 
 Per record: the predicted iteration time, the relative error (predicted - measured) / measured,
-flagged beyond 25 %. Per scenario: the contender the model recommends among those measured, and
+flagged beyond 25 %, and the machine's busy share of its cores over the run (record field
+cpu_busy; at 90 % or more the hosts queued for cores, which the model, a core per host, does not
+know: asynchronous contenders never idle, so six of them on two cores are CPU-bound). Per scenario: the contender the model recommends among those measured, and
 whether it was the measured fastest or within 10 % of it; with several seeds, both compare each
 contender's median over its seeds.
 
@@ -52,6 +54,7 @@ REQUIRED = ("scenario", "contender", "profile", "model_bytes", "iter_time_s", "h
 ALIASES = {"dpsgd": "d-psgd", "adpsgd": "ad-psgd", "allreduce": "ddp", "all-reduce": "ddp"}
 ERROR_BOUND = 0.25
 RECOMMEND_BOUND = 0.10
+CPU_SATURATED = 0.9   # a machine this busy over a run ran its hosts short of cores
 
 
 class CheckError(ValueError):
@@ -69,6 +72,12 @@ class Row:
     overhead: bool = True       # per-host overhead measured (False: Config.plan_overhead)
     load: float | None = None   # the machine's load average during the run (record's load_avg, max)
     tcp: str | None = None      # the lab hosts' TCP congestion control (None: an older record)
+    cpu: float | None = None    # the machine's busy share of all cores over the run (record's cpu_busy)
+
+    @property
+    def cpu_saturated(self) -> bool:
+        """The hosts queued for cores: the model, which gives each host a core, does not apply."""
+        return self.cpu is not None and self.cpu >= CPU_SATURATED
 
     @property
     def error(self) -> float:
@@ -96,7 +105,8 @@ class Scenario:
                 "rows": [{"contender": r.contender, "topology": r.topology, "measured_s": r.measured,
                           "predicted_s": r.predicted, "error": r.error, "flagged": r.flagged,
                           "compute_measured_per_host": r.exact, "overhead_measured": r.overhead,
-                          "load_avg": r.load, "tcp_congestion_control": r.tcp}
+                          "load_avg": r.load, "tcp_congestion_control": r.tcp, "cpu_busy": r.cpu,
+                          "cpu_saturated": r.cpu_saturated}
                          for r in self.rows]}
 
 
@@ -163,6 +173,10 @@ def host_inputs(rec: dict[str, Any], prof: Profile) -> tuple[list[int], model.Co
     return order, comp, over, exact
 
 
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def _load(rec: dict[str, Any]) -> float | None:
     la = rec.get("load_avg")
     if isinstance(la, list) and la and all(isinstance(x, (int, float)) for x in la):
@@ -196,7 +210,7 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
             raise CheckError(f"scenario {rec['scenario']}, contender {algo}: {e}") from None
         by_scen.setdefault(str(rec["scenario"]), []).append(
             Row(str(rec["scenario"]), algo, topo, float(rec["iter_time_s"]), float(pred), exact, over is not None,
-                _load(rec), rec.get("tcp_congestion_control")))
+                _load(rec), rec.get("tcp_congestion_control"), _number(rec.get("cpu_busy"))))
     out = []
     for name, rows in by_scen.items():
         per = medians(rows)
@@ -217,13 +231,15 @@ def medians(rows: list[Row]) -> list[Row]:
 
 def render(scens: list[Scenario]) -> str:
     lines = [f"{'scenario':16s} {'contender':20s} {'topology':12s} {'measured_s':>10s} {'predicted_s':>11s} "
-             f"{'error':>7s} {'load':>5s} {'tcp':>5s}"]
+             f"{'error':>7s} {'load':>5s} {'cpu':>4s} {'tcp':>5s}"]
     lines.append("-" * len(lines[0]))
     for s in scens:
         for r in s.rows:
             lines.append(f"{s.name:16s} {r.contender:20s} {r.topology:12s} {r.measured:10.4f} {r.predicted:11.4f} "
-                         f"{r.error:+7.1%} {'' if r.load is None else f'{r.load:5.1f}':>5s} {r.tcp or '?':>5s}"
+                         f"{r.error:+7.1%} {'' if r.load is None else f'{r.load:5.1f}':>5s} "
+                         f"{'?' if r.cpu is None else f'{r.cpu:.0%}':>4s} {r.tcp or '?':>5s}"
                          f"{'  > 25 %' if r.flagged else ''}"
+                         f"{'  (CPU saturated: the hosts queued for cores)' if r.cpu_saturated else ''}"
                          f"{'' if r.exact else '  (old record: busy share, no spread)'}"
                          f"{'' if r.overhead or not r.exact else '  (no measured overhead)'}")
     lines.append("")
@@ -235,4 +251,8 @@ def render(scens: list[Scenario]) -> str:
     total = sum(len(s.rows) for s in scens)
     lines.append(f"{total - bad} of {total} predictions within 25 %; "
                  f"{sum(s.recommendation_ok for s in scens)} of {len(scens)} recommendations within 10 % of the fastest")
+    starved = [r for s in scens for r in s.rows if r.cpu_saturated]
+    if starved:
+        lines.append(f"{len(starved)} run(s) on a machine at least {CPU_SATURATED * 100:.0f} % busy "
+                     f"({sum(r.flagged for r in starved)} of them beyond 25 %): the model gives each host a core")
     return "\n".join(lines)
