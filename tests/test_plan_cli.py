@@ -167,8 +167,8 @@ def test_live_swarm(daemons):
 
 @pytest.mark.slow
 def test_train_algo_auto_chooses_logs_and_reports_step_times(daemons):
-    """Two daemons, `peerd train --algo auto`: both choose the same (ties go by preference), say so
-    with the runner-up, train to the end; the daemon then reports the trainer's step times, which
+    """Two daemons, `peerd train --algo auto`: the run's first host chooses (ties go by preference)
+    and says so with the runner-up, the other takes its choice, both train to the end; the daemon then reports the trainer's step times, which
     `peerd plan` reads without --step-time and --model-bytes."""
     import subprocess
 
@@ -184,16 +184,19 @@ def test_train_algo_auto_chooses_logs_and_reports_step_times(daemons):
                                         "--step-time", "0.01", "--eval-every", "0"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for d in (a, b)]
-    chosen = []
+    notes = []
     for p in procs:
         out, err = p.communicate(timeout=180)
         recs = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
         assert p.returncode == 0, (err, recs[-3:])
-        note = next(r["message"] for r in recs if r["message"].startswith("auto: chose"))
-        assert "runner-up" in note
-        chosen.append(note.split(" (")[0])   # the choice; its predicted figures follow each host's own links
-    assert chosen[0] == chosen[1]
-    assert "chose d-psgd on ring" in chosen[0]      # a uniform loopback pair: everything ties
+        notes.append(next(r["message"] for r in recs if r["message"].startswith(("auto: chose", "auto: took"))))
+    # One plan per run: the first host chooses (with the runner-up), the other takes its choice.
+    chose = [n for n in notes if n.startswith("auto: chose")]
+    took = [n for n in notes if n.startswith("auto: took")]
+    assert len(chose) == 1 and len(took) == 1 and "runner-up" in chose[0], notes
+    algo_topology = chose[0].split("auto: chose ")[1].split(" (")[0]
+    assert took[0].startswith(f"auto: took {algo_topology},"), notes
+    assert algo_topology == "d-psgd on ring", notes      # a uniform loopback pair: everything ties
     # The run has ended (drained once both finished): its state stays as the last run's.
     st = json.loads(json.loads(run_cli("status", "--json", "--data-dir", str(a.data_dir)).stdout)["last_training_json"])
     assert st["algorithm"] == "d-psgd" and st["step_time"]["samples"] > 10

@@ -12,9 +12,11 @@ change policy at the same iteration (a Hop worker waits for updates a NetMax pee
 there is no agreement protocol for that yet. A re-plan that recommends something else is logged
 (warning) with both predictions, to apply at the next run.
 
-Every host plans on its own view of the swarm. Views are gossiped and nearly equal, but a host
-can choose differently near a tie; the run tag hashes the resolved algorithm and topology, so
-hosts that disagree never mix each other's parameters (their mixes time out with an error).
+One plan per run: the run's first founder (rank 0 of `form_world`) plans on its view of the
+swarm and forms the run; the other founders wait for it (peerd.node.joining.place) and take its
+algorithm and topology from DescribeRun, as a late joiner does. Planning on every host's own view
+split runs near a tie (views are gossiped and nearly equal; a uniform LAN is all ties), and hosts
+whose choices differ derive different run tags and never mix. Only the planning host re-plans.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ it never changes when hosts join.
 - a peer that would be a founder runs an active run with a different spec: wait (the message names
   the first difference) until it finishes or `--join-timeout` passes, then fail naming it; so
   does one that does not answer (a loaded host: it may run this very run);
-- otherwise form a new run as before.
+- otherwise form a new run as before; with `--algo auto`, only the first founder forms it and
+  chooses, the others wait for its run and take its algorithm and topology (one plan per run).
 
 Joining: the joiner asks the run's lowest-ranked member it sees alive (the admitter) to JoinRun.
 The admitter, one admission at a time, takes the lowest vacant rank and claims it for the joiner at
@@ -162,6 +163,11 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
     if silent & set(founders):
         # It may run the run this host belongs to (or a different one): never form without knowing.
         return None, f"asking {', '.join(sorted(silent & set(founders)))} what it runs: no answer yet"
+    if spec.algorithm == "auto" and founders[0] != daemon.node_id:
+        # One plan per run: the first founder chooses, the others take its choice from its run
+        # (the match above). Planning on each host's own view of the links split the run near a
+        # tie (a uniform LAN is all ties): hosts that chose differently derive different tags.
+        return None, f"--algo auto: waiting for {founders[0]}, the run's first host, to choose"
     return founders + [""] * (spec.max_world - spec.world), ""
 
 

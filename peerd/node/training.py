@@ -1349,6 +1349,7 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         await daemon.training.stop()   # a finished run still serving its peers gives way
         daemon.end_run(daemon.training)
     started = time.monotonic()
+    auto = spec.algorithm == "auto"
     while True:
         # The run under way, if a live peer has one (rejoin or late join), else a new one formed.
         try:
@@ -1364,6 +1365,11 @@ async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc
         yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited, message=why)
         await asyncio.sleep(daemon.cfg.train_join_retry)
     inputs = None
+    if auto and spec.algorithm != "auto":   # took the choice of the run it found (joining.place)
+        msg = (f"auto: took {spec.algorithm} on {spec.topology}, the run's choice "
+               f"(its first host plans for every host; see its log for the runner-up)")
+        log.info("%s", msg)
+        yield cpb.TrainProgress(state="waiting", world=spec.world, message=msg)
     if spec.algorithm == "auto":
         try:
             inputs, msg = await _auto(daemon, spec, nodes)
