@@ -1,7 +1,8 @@
-"""What a run serves to pullers stays intact while it streams (in process, a stand-in daemon: no
-sockets, no trainer). A pull over a slow link can outlast the iterations after which an own
-snapshot is retired and its buffer reused for a later publish; reusing it mid-stream changed the
-bytes under the stream and the puller refused them (checksum mismatch)."""
+"""What a run serves to pullers, or carries in its own pulls, stays intact while it streams (in
+process, a stand-in daemon: no sockets, no trainer). A pull over a slow link can outlast the
+iterations after which an own snapshot is retired and its buffer reused for a later publish;
+reusing it mid-stream changed the bytes under the stream and the peer refused them (checksum
+mismatch)."""
 from __future__ import annotations
 
 import asyncio
@@ -80,5 +81,45 @@ def test_stop_answers_the_mix_a_trainer_waits_for_so_it_reaches_its_boundary(tmp
         first = await asyncio.wait_for(stream.__anext__(), 2.0)
         assert first.kind == cpb.Directive.KIND_STOP
         await stream.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_carried_pull_keeps_its_snapshot_until_its_push_is_done(tmp_path):
+    """AD-PSGD's active pull pushes its own x_k to the passive (a carry). On a 10 Mbit link that
+    push outlasted the snapshot's retirement once the active moved on (its pull timed out or the
+    passive finished), the buffer was reused for a later publish, and the passive refused the
+    stream: "checksum: crc32 ... does not match" (seen in the star-6 lab)."""
+    async def go():
+        run = _run(tmp_path)
+        release, started, streamed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        seen = {}
+
+        async def push_tensor(address, node, out, iteration, kind):
+            seen["buf"] = run.own[iteration]
+            seen["before"] = bytes(run.own[iteration])
+            started.set()
+            await release.wait()                # the slow link: still streaming
+            seen["after"] = bytes(seen["buf"])
+            streamed.set()
+
+        run.d.push_tensor = push_tensor
+        run.d.membership = {"b": types.SimpleNamespace(address="b:1")}
+        run.d.link_matrix = None
+        run.d.node_id = "a"
+        _publish(run, 0)
+        run.own_out[0] = object()               # what push_tensor streams (the stand-in ignores it)
+        run.feed = lambda event: None           # the policy's answer to PullFailed is not under test
+        pull = asyncio.create_task(run._pull(1, 0, 0))
+        await started.wait()
+        assert run.sending[0] == 1, "a carry in flight counts as a push of its iteration"
+        for k in range(1, 40):                  # the active moves on while the carry streams
+            _publish(run, k)
+        release.set()
+        await streamed.wait()
+        pull.cancel()                           # the passive's answer never comes: not under test
+        await asyncio.gather(pull, return_exceptions=True)
+        assert seen["after"] == seen["before"], "the carried snapshot changed while it streamed"
+        assert not run.sending, "the push is settled once its stream ended"
 
     asyncio.run(go())

@@ -217,7 +217,7 @@ class TrainingRun:
         self.slot_paths: list[Path] = []
         self.own: dict[int, torch.Tensor] = {}        # my published parameters, by iteration
         self.own_out: dict[int, Outgoing] = {}         # the same, ready to push (checksummed once)
-        self.sending: collections.Counter[int] = collections.Counter()  # queued pushes per iteration
+        self.sending: collections.Counter[int] = collections.Counter()  # pushes queued or streaming (carries too)
         self.serving: collections.Counter[int] = collections.Counter()  # pulls being answered, per iteration
         self.live_k = -1
         self.received: dict[tuple[int, int], Received] = {}
@@ -748,8 +748,14 @@ class TrainingRun:
             async with asyncio.timeout(bound):
                 if carry_k != ev.CURRENT and carry_k in self.own_out:
                     answered = self.pull_answers[key] = asyncio.Event()
-                    await self.d.push_tensor(member.address, node, self.own_out[carry_k], iteration=carry_k,
-                                             kind=self.kind("carry"))
+                    # Counted as a push: over a slow link the carry outlasts the iterations after
+                    # which the snapshot is retired, and a recycled buffer fails the checksum.
+                    self.sending[carry_k] += 1
+                    try:
+                        await self.d.push_tensor(member.address, node, self.own_out[carry_k],
+                                                 iteration=carry_k, kind=self.kind("carry"))
+                    finally:
+                        self._settle(("carry", carry_k))
                     await answered.wait()
                 else:
                     rec, t0 = await self._pull_until_served(node)
