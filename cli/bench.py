@@ -420,23 +420,32 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
 def retime_cmd(run_dir: str) -> None:
     """Recompute the time fields of a `peerd bench scenarios` run's records (iteration time, per-host
     compute, time split) from its saved traces, with this version's definitions; the old
-    results.jsonl is kept as results.jsonl.orig."""
+    results.jsonl is kept as results.jsonl.orig. A record whose run directory is gone (records
+    copied from another run) is kept as it is, and named."""
     import json
     from pathlib import Path
 
     from peerd.bench import scenarios as sc
+    from peerd.bench.report import load_records
 
     d = Path(run_dir)
     path = d / "results.jsonl"
     if not path.exists():
         raise click.ClickException(f"{path}: no results")
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    new, kept = [], []
     try:
-        new = [sc.retime(d, r) for r in recs]
+        for r in load_records(path):
+            if not (d / r["scenario"] / r["contender"] / f"seed{r['seed']}").is_dir():
+                kept.append(f"{r['scenario']}/{r['contender']}/seed {r['seed']}")
+                new.append(r)
+            else:
+                new.append(sc.retime(d, r))
     except (OSError, RuntimeError, KeyError, ValueError) as e:
         raise click.ClickException(f"{run_dir}: {e}") from None
     orig = d / "results.jsonl.orig"
     if not orig.exists():
         orig.write_text(path.read_text())
     path.write_text("".join(json.dumps(r) + "\n" for r in new))
-    click.echo(f"{len(new)} records retimed in {path} (was: {orig})")
+    click.echo(f"{len(new) - len(kept)} records retimed in {path} (was: {orig})")
+    if kept:
+        click.echo(f"{len(kept)} kept as they were (no traces in {d}): {', '.join(kept)}")

@@ -45,8 +45,52 @@ def test_the_steady_part_ends_when_the_first_host_finishes():
     assert sc.host_times(tr)["iter_time_s"] > 0.3
     v = sc.host_times(tr, until=tr[14]["t"])
     assert v["window_steps"] == 13 and v["iter_time_s"] == pytest.approx(0.1)
-    # A window that would keep fewer than two steps is not cut.
-    assert sc.host_times(tr, until=tr[2]["t"])["window_steps"] == 18
+
+
+def test_a_host_that_barely_ran_while_the_swarm_did_is_timed_over_that_part():
+    """AD-PSGD on the star: the 10 Mbit active pulled 3 times (3 s each) while the others ran;
+    once they finished it ran local steps at 0.1 s. Its pace in the swarm is 3 s/it, not 0.1."""
+    tr = _trace(4, 0.1, 2.9, 0.0) + _trace(56, 0.1, 0.0, 0.0, start=112.0)
+    for k, r in enumerate(tr):
+        r["it"] = k + 1
+    v = sc.host_times(tr, until=110.5)        # the first host finished during its 4th pull
+    assert v.get("window_short") and v["window_iterations"] == 3 and v["window_steps"] == 3
+    assert v["iter_time_s"] == pytest.approx(10.5 / 3)
+    assert v["mix_s"] == pytest.approx(2.9) and v["step_s"] == pytest.approx(3.0)
+    assert not sc.host_times(tr).get("window_short")          # no swarm end given: the whole trace
+    # One that finished nothing while the swarm ran: a lower bound, its wall so far.
+    late = _trace(5, 0.1, 4.9, 0.0)
+    v = sc.host_times(late, until=103.0)
+    assert v["window_short"] and v["iter_time_s"] == pytest.approx(3.0)
+
+
+def test_bench_retime_recomputes_from_traces_and_keeps_records_without_them(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    fast, slow = _trace(40, 0.1, 0.0, 0.0), _trace(4, 0.1, 2.9, 0.0) + _trace(36, 0.1, 0.0, 0.0, start=112.0)
+    for k, r in enumerate(slow):
+        r["it"] = k + 1
+    run = tmp_path / "mixed-links" / "ad-psgd" / "seed1"
+    run.mkdir(parents=True)
+    for h, tr in (("h1", slow), ("h2", fast)):
+        (run / f"{h}.trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tr))
+        (run / f"{h}.progress.jsonl").write_text(json.dumps({"state": "training", "rank": int(h[1]) - 1}) + "\n")
+    old_host = {"iter_time_s": 0.1, "bytes_sent": 1e6}
+    rec = {"scenario": "mixed-links", "contender": "ad-psgd", "seed": 1, "profile": "lan", "hosts": 2,
+           "iter_time_s": 0.1, "per_host": {"h1": dict(old_host), "h2": dict(old_host)}}
+    gone = {**rec, "seed": 0}                    # copied from another run: no traces here
+    (tmp_path / "results.jsonl").write_text(json.dumps(gone) + "\n" + json.dumps(rec) + "\n")
+    res = CliRunner().invoke(cli, ["bench", "retime", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "1 records retimed" in res.output and "kept as they were" in res.output
+    assert "mixed-links/ad-psgd/seed 0" in res.output
+    kept, new = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert kept == gone and (tmp_path / "results.jsonl.orig").exists()
+    # the slow host is timed over the swarm's run (fast finished at 104): 4 s over 1 step
+    assert new["per_host"]["h1"]["window_short"] and new["per_host"]["h1"]["iter_time_s"] == pytest.approx(4.0)
+    assert new["iter_time_s"] == pytest.approx((4.0 + 0.1) / 2)
 
 
 def test_skipped_iterations_count_in_the_iteration_time_not_in_the_step():

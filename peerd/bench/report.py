@@ -15,13 +15,26 @@ from pathlib import Path
 from typing import Any
 
 
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a results.jsonl (none if it does not exist); a torn last line (the run
+    killed while writing it) is skipped, so the run it describes counts as not run."""
+    if not path.exists():
+        return []
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return recs
+
+
 def load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     meta_path, results = run_dir / "meta.json", run_dir / "results.jsonl"
     if not meta_path.exists() or not results.exists():
         raise FileNotFoundError(f"{run_dir}: not a `peerd bench scenarios` run directory "
                                 f"(meta.json and results.jsonl are missing)")
-    recs = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    return json.loads(meta_path.read_text()), recs
+    return json.loads(meta_path.read_text()), load_records(results)
 
 
 def _median(values: list[float]) -> float:

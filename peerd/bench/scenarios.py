@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from peerd.bench.report import load_records
 from peerd.config import Config
 from peerd.lab import lab, profile
 
@@ -451,13 +452,19 @@ def _quantile(xs: list[float], q: float) -> float:
 def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION, until: float | None = None) -> dict[str, Any]:
     """One host's times from its trace, over its steady part: the steps after the first
     ceil(warmup * steps) (at least one) that ended by `until` (the wall time the first host of the
-    run finished: after it the others run a different swarm; ignored where it leaves fewer than
-    two steps).
+    run finished: after it the others run a different swarm; a host with fewer than two such
+    steps: see below).
 
     iter_time_s: wall seconds per iteration, from the end of the last warm-up step to the end of
     the host's last one, divided by the iterations its counter advanced in between (skipped
     iterations count, as the trainer's counter counts them). THE iteration time: `peerd plan`
     predicts exactly this, and a record's iter_time_s is its mean over the hosts.
+    A host that finished fewer than two steps after its warm-up by `until` (an asynchronous
+    swarm's slowest host: AD-PSGD's active on a 10 Mbit link pulls a few times while the others
+    run 100 iterations) is timed over what it did while the swarm ran, from its first step's
+    start to `until`: iter_time_s = that wall / the iterations it finished by then (at least 1,
+    so a host that finished none gets a lower bound), `window_short` set. Its steps after
+    `until` are local steps in a swarm that has ended and say nothing of its pace in it.
     Per computed step (the split): step_s = wall / steps computed; compute_mean_s / compute_std_s
     (the paced gradient time: emulated + real compute); mix_s: mean seconds in the mix call
     (waiting for the neighbours' updates, and the mix itself; DDP: backward + all-reduce +
@@ -465,20 +472,35 @@ def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION, until: float 
     checkpoint, progress report, trace)."""
     k = min(max(1, math.ceil(warmup * len(trace))), len(trace) - 1)
     steady = trace[k:] if len(trace) > 1 else trace
-    if until is not None and len([r for r in steady if r["t"] <= until + 1e-9]) >= 2:
-        steady = [r for r in steady if r["t"] <= until + 1e-9]
-    t_from = trace[k - 1]["t"] if len(trace) > 1 else trace[0]["start"]
-    its = steady[-1]["it"] - trace[k - 1]["it"] if len(trace) > 1 else 1
-    wall = steady[-1]["t"] - t_from
+    short = False
+    if until is not None:
+        ended = [r for r in steady if r["t"] <= until + 1e-9]
+        if len(ended) >= 2:
+            steady = ended
+        elif trace[0]["start"] < until:
+            short = True
+    if short:
+        done = [r for r in trace if r["t"] <= until + 1e-9]
+        t_from, t_to = trace[0]["start"], until
+        its = max(1, done[-1]["it"] - trace[0]["it"] + 1) if done else 1
+        steady = done or trace[:1]
+    else:
+        t_from = trace[k - 1]["t"] if len(trace) > 1 else trace[0]["start"]
+        t_to = steady[-1]["t"]
+        its = steady[-1]["it"] - trace[k - 1]["it"] if len(trace) > 1 else 1
+    wall = t_to - t_from
     comp = [r["compute_s"] for r in steady]
     mix = [r["mix_s"] for r in steady if "mix_s" in r]
-    step = wall / len(steady)
-    out = {"window": [t_from, steady[-1]["t"]], "window_steps": len(steady), "window_iterations": its,
+    # per computed step: over the steps themselves (a short window's last one may be unfinished)
+    step = (steady[-1]["t"] - t_from) / len(steady) if short and steady[-1]["t"] <= t_to else wall / len(steady)
+    out = {"window": [t_from, t_to], "window_steps": len(steady), "window_iterations": its,
            "iter_time_s": wall / max(1, its), "step_s": step,
            "compute_mean_s": statistics.mean(comp), "compute_std_s": statistics.pstdev(comp),
            "mix_s": statistics.mean(mix) if len(mix) == len(steady) else None}
     out["other_s"] = None if out["mix_s"] is None else max(0.0, step - out["compute_mean_s"] - out["mix_s"])
     out["mix_samples"] = mix
+    if short:
+        out["window_short"] = True
     return out
 
 
@@ -610,19 +632,6 @@ def host_summary(per_host: dict[str, dict[str, Any]], contender: str, egress: di
 
 
 # --- the whole benchmark ----------------------------------------------------------------------
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a results.jsonl (none if it does not exist); a torn last line (the run
-    killed while writing it) is skipped, so the run it describes counts as not run."""
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return recs
 
 
 def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, out: Path,
