@@ -317,6 +317,8 @@ class Config:
     bench_quiet_rate: float = _f(1e6, "bytes/s every lab host must send less than, over bench_quiet_window, "
                                       "before a scenario's first run: the daemons' link warm-up is over",
                                  scope="bench")
+    bench_quiet_share: float = _f(0.05, "and less than this share of its own access link's rate (a 10 Mbit "
+                                        "host can never send bench_quiet_rate)", scope="bench")
     bench_quiet_window: float = _f(5.0, "seconds of the quiet check (bench_quiet_rate)", scope="bench")
     bench_quiet_timeout: float = _f(240.0, "bound on the wait for a quiet lab; past it the runs start anyway "
                                            "and the scenario's records say so", scope="bench")
@@ -433,7 +435,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"link_capacity_confirm ({cfg.link_capacity_confirm}) must be >= 0")
     for name in ("link_rtt_interval", "link_bw_interval", "link_probe_seconds", "link_change_fraction",
                  "link_capacity_window", "link_gossip_full_interval", "peer_gossip_full_interval",
-                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout", "train_budget_interval"):
+                 "mdns_register_timeout", "mdns_resolve_timeout", "mdns_stop_timeout", "train_budget_interval",
+                 "bench_quiet_share"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} ({getattr(cfg, name)}) must be > 0")
     for name in ("mdns_max_resolving", "mdns_max_names", "link_max_entries", "link_gossip_max_entries",

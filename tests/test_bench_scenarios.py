@@ -45,6 +45,19 @@ def test_pad_sleeps_to_the_target():
 
 
 
+def test_a_slow_host_counts_as_quiet_only_below_a_share_of_its_own_link():
+    """Measured on star-6 during warm-up: the 10 Mbit hosts sent 100-700 kB/s of probes (up to
+    58 % of their link), always below the fixed 1 MB/s; at rest every host sends 7-25 kB/s."""
+    from peerd.bench.scenarios import egress_rates, quiet_limits
+    from peerd.config import Config
+    from peerd.lab import profile
+
+    limits = quiet_limits(egress_rates(profile.load("star-6", 6)), Config())
+    assert limits["h3"] == Config().bench_quiet_rate             # 1 Gbit: the fixed rate
+    assert limits["h1"] == pytest.approx(0.05 * 10e6 / 8)        # 10 Mbit: 62.5 kB/s
+    assert 25e3 < limits["h1"] < 100e3
+
+
 @pytest.mark.lab
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # ~1.5 min on an idle 2-core machine; 5.5 min seen at load 18
@@ -60,7 +73,8 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
     res = CliRunner().invoke(cli, args,
                                   env={"PEERD_LAB_READY_TIMEOUT": "60",   # a loaded CI machine
                                        # the quiet check passes at once: the warm-up wait would take a minute
-                                       "PEERD_BENCH_QUIET_RATE": "1e12", "PEERD_BENCH_QUIET_WINDOW": "1"})
+                                       "PEERD_BENCH_QUIET_RATE": "1e12", "PEERD_BENCH_QUIET_SHARE": "1e6",
+                                       "PEERD_BENCH_QUIET_WINDOW": "1"})
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["contender"] for r in recs] == ["ddp", "hop-backup-skip"]

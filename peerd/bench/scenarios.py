@@ -209,23 +209,33 @@ def _cli_json(lb: lab.Lab, host: str, *args: str, timeout: float = 60.0) -> Any:
     return json.loads(p.stdout) if p.returncode == 0 else None
 
 
-def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) -> float | None:
-    """Seconds until no host sent more than bench_quiet_rate bytes/s over one bench_quiet_window;
+def quiet_limits(egress: dict[str, float], cfg: Config) -> dict[str, float]:
+    """Bytes/s each host must send less than for the lab to count as quiet: bench_quiet_rate, and
+    at most bench_quiet_share of its own egress rate (a 10 Mbit host never sends 1 MB/s, so a
+    fixed rate would call it quiet in the middle of its warm-up)."""
+    return {h: min(cfg.bench_quiet_rate, cfg.bench_quiet_share * rate) for h, rate in egress.items()}
+
+
+def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None], egress: dict[str, float]) -> float | None:
+    """Seconds until no host sent more than its quiet_limits rate over one bench_quiet_window;
     None when bench_quiet_timeout passed first. A new lab's daemons warm up their link estimates
     with back-to-back probes over every link for a minute or two (measured on two-sites-6: 2-30 MB/s
     per host, thousands of TCP retransmissions across the 50 Mbit cut, then 0.05 MB/s of
     heartbeats with a settle probe now and then); a scenario's first contender measured during
     that shares its links with the probes, which is not what a user of either tool sees."""
     sampler = TxSampler(lb, cfg.bench_quiet_window)
+    limits = quiet_limits({h: egress.get(h, float(cfg.plan_unshaped_rate)) for h in lb.hosts}, cfg)
     t0 = time.monotonic()
     prev = {h: sampler.counters(h)[0] for h in lb.hosts}
     while time.monotonic() - t0 < cfg.bench_quiet_timeout:
         time.sleep(cfg.bench_quiet_window)
         cur = {h: sampler.counters(h)[0] for h in lb.hosts}
-        busiest = max((cur[h] - prev[h]) / cfg.bench_quiet_window for h in lb.hosts)
-        if busiest < cfg.bench_quiet_rate:
+        rates = {h: (cur[h] - prev[h]) / cfg.bench_quiet_window for h in lb.hosts}
+        loud = sorted((h for h in lb.hosts if rates[h] >= limits[h]), key=lambda h: -rates[h] / limits[h])
+        if not loud:
             return time.monotonic() - t0
-        echo(f"       waiting for the daemons' link warm-up to end: busiest host sends {busiest / 1e6:.1f} MB/s")
+        echo("       waiting for the daemons' link warm-up to end: " +
+             ", ".join(f"{h} sends {rates[h] / 1e6:.2f} MB/s (quiet below {limits[h] / 1e6:.2f})" for h in loud[:3]))
         prev = cur
     return None
 
@@ -688,7 +698,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         try:
             lb = lab.Lab(lab_dir)
             ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
-            quiet_after = _wait_quiet(lb, cfg, echo)
+            quiet_after = _wait_quiet(lb, cfg, echo, egress_rates(prof))
             echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
                  f"    the lab did not quiet down within {cfg.bench_quiet_timeout:g}s (bench_quiet_timeout): "
                  "the first runs share the links with the daemons' link probes")
