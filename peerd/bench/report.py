@@ -1,9 +1,10 @@
 """`peerd report RUN_DIR`: a `peerd bench scenarios` run directory made readable.
 
 Writes, next to the data: per scenario a plot of accuracy and loss versus wall time per contender
-(mean over the hosts of each host's newest value, first seed), a plot of every host's iteration
-over time per contender (the iteration gap made visible), a heatmap of the link matrix the
-daemons measured during the scenario (`peerd links --json`, each host's own row), and report.md
+(mean over the hosts of each host's newest value, the first seed whose files are there), a plot
+of every host's iteration over time per contender (the iteration gap made visible), a heatmap of
+the link matrix the daemons measured during the scenario (`peerd links --json`, each host's own
+row), and report.md
 with the result table (medians over seeds; speedups are ratios of median times to target).
 """
 from __future__ import annotations
@@ -165,8 +166,11 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
     written = []
     target = meta["settings"]["target"]
     for sc in meta["scenarios"]:
-        contenders = [c for c in meta["contenders"] if (run_dir / sc / c / "seed0").is_dir()]
-        data = {c: d for c in contenders if (d := _run_data(run_dir / sc / c / "seed0")) is not None}
+        # each contender's first seed that has its files here (records copied from another run have none)
+        seed_dirs = {c: min((d for d in (run_dir / sc / c).glob("seed*") if d.is_dir()),
+                            key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else 1 << 30, default=None)
+                     for c in meta["contenders"]}
+        data = {c: d for c, sd in seed_dirs.items() if sd is not None and (d := _run_data(sd)) is not None}
         if not data:
             continue
         # accuracy and loss versus wall time
