@@ -4,8 +4,8 @@ Writes, next to the data: per scenario a plot of accuracy and loss versus wall t
 (mean over the hosts of each host's newest value, the first seed whose files are there), a plot
 of every host's iteration over time per contender (the iteration gap made visible), a heatmap of
 the link matrix the daemons measured during the scenario (`peerd links --json`, each host's own
-row), and report.md
-with the result table (medians over seeds; speedups are ratios of median times to target).
+row), and report.md with the result table (medians over seeds; speedups are ratios of median
+times to target).
 """
 from __future__ import annotations
 
