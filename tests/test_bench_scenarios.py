@@ -88,6 +88,7 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
         assert r["topology"] == "ring" and r["budget"] == "host"   # peerd plan check predicts with them
         # what the lab's hosts ran: the configured cubic, or the kernel's default where it refused it
         assert r["tcp_congestion_control"] in {"cubic", netns.run(["sysctl", "-n", lab.CC_KEY], 10).strip()}, r
+        assert r["code"].startswith(__import__("peerd").__version__)   # which code measured it
         assert set(r["per_host"]) == {"h1", "h2", "h3"}
         # h1 is the 4x straggler: its measured compute per step is ~4x the others'
         assert r["step_time_mean"] > 0.05

@@ -644,6 +644,23 @@ def host_summary(per_host: dict[str, dict[str, Any]], contender: str, egress: di
 # --- the whole benchmark ----------------------------------------------------------------------
 
 
+def code_version() -> str:
+    """peerd's version and, in a git checkout, its commit ("+dirty" with uncommitted changes): a
+    resumed run directory may hold records of several versions."""
+    from peerd import __version__
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return __version__
+    if head.returncode != 0:
+        return __version__
+    return f"{__version__} {head.stdout.strip()}{'+dirty' if dirty.stdout.strip() else ''}"
+
+
 def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, out: Path,
         cfg: Config | None = None, echo: Callable[[str], None] = print,
         json_file: Path | None = None) -> list[dict[str, Any]]:
@@ -682,7 +699,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
     if done:
         echo(f"{len(done)} of {len(wanted)} runs are already recorded in {results_path}; running the other {total}")
     n = 0
-    started = time.monotonic()
+    started, code = time.monotonic(), code_version()
     port = cfg.bench_master_port
     for name in scenarios:
         if all((name, c, k) in done for c in contenders for k in range(seeds)):
@@ -736,6 +753,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                     rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                     # TCP's congestion control changes what a shallow queue behind a faster link costs
                     rec["tcp_congestion_control"] = lb.state.get("tcp_congestion_control")
+                    rec["code"] = code
                     records.append(rec)
                     for path in (results_path, json_file):
                         if path is not None:
