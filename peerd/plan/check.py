@@ -253,6 +253,8 @@ def render(scens: list[Scenario]) -> str:
                  f"{sum(s.recommendation_ok for s in scens)} of {len(scens)} recommendations within 10 % of the fastest")
     starved = [r for s in scens for r in s.rows if r.cpu_saturated]
     if starved:
+        fed = total - len(starved)
         lines.append(f"{len(starved)} run(s) on a machine at least {CPU_SATURATED * 100:.0f} % busy "
-                     f"({sum(r.flagged for r in starved)} of them beyond 25 %): the model gives each host a core")
+                     f"({sum(r.flagged for r in starved)} of them beyond 25 %): the model gives each host a core; "
+                     f"{fed - (bad - sum(r.flagged for r in starved))} of the other {fed} within 25 %")
     return "\n".join(lines)
