@@ -386,6 +386,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
     DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
     Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
     bench_swarm_timeout, lab_ready_timeout (raise it on a loaded machine)."""
+    import signal
     import time
     from pathlib import Path
 
@@ -406,11 +407,22 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                f"{st.step_time:g} s emulated compute per step, {st.topology} topology"
                f"{', non-iid shards' if st.non_iid else ''}"
                f"{', swarm budget for asynchronous contenders' if st.async_budget == 'swarm' else ''}")
+    def interrupted(signum, frame) -> None:
+        # SIGTERM unwinds like Ctrl+C (a background job ignores SIGINT): the running contender's
+        # processes are killed and the lab taken down; a second signal must not cut that short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     try:
         recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, config.load(),
                       echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)
     except (ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; the lab is down, and the same command resumes {out}") from None
     click.echo("\n" + report.table(recs))
     click.echo(f"plots and report.md: peerd report {out}")
 

@@ -134,3 +134,42 @@ def test_digits_wide_is_the_digit_task_with_a_megabyte_model():
     nbytes = sum(p.numel() * 4 for p in wide.build(0).parameters())
     assert 1_000_000 < nbytes < 1_200_000
     assert all((a == b).all() for a, b in zip(wide.data(), small.data()))
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_sigterm_takes_the_bench_lab_down_and_says_how_to_resume(tmp_path):
+    """A bench started in the background ignores Ctrl+C (SIGINT); SIGTERM, what `kill` sends,
+    once ended it on the spot and left the lab's namespaces, daemons and trainers running."""
+    import os
+    import signal
+    import subprocess
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PEERD_LAB_READY_TIMEOUT": "60", "PEERD_BENCH_QUIET_RATE": "1e12",
+           "PEERD_BENCH_QUIET_SHARE": "1e6", "PEERD_BENCH_QUIET_WINDOW": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", "bench", "scenarios", "--out", str(out),
+                          "--scenario", "straggler", "--contender", "hop", "--hosts", "2", "--iterations", "2000",
+                          "--seeds", "1", "--step-time", "0.05"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    state = out / "straggler" / "lab" / "state.json"
+    try:
+        deadline = time.monotonic() + 180
+        while not (state.exists() and list(out.glob("straggler/hop/seed0/*.progress.jsonl"))):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0] if p.poll() is not None else ""
+            time.sleep(0.5)
+        time.sleep(3)                                  # the trainers are up
+        namespaces = json.loads(state.read_text())["namespaces"]
+        p.send_signal(signal.SIGTERM)
+        output, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1, output
+    assert "interrupted; the lab is down, and the same command resumes" in output
+    assert not set(namespaces) & netns.ns_list(), "the lab's namespaces are left"
+    for pattern in (str(out), "--algo hop --world 2 --iterations 2000"):   # daemons, trainers
+        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        assert not left, f"processes of the run are left ({pattern}): {left}"
