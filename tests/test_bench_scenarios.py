@@ -58,6 +58,20 @@ def test_a_slow_host_counts_as_quiet_only_below_a_share_of_its_own_link():
     assert 25e3 < limits["h1"] < 100e3
 
 
+def test_report_matrix_gives_each_scenario_and_contender_its_median_and_speedup_over_ddp():
+    from peerd.bench.report import matrix
+
+    def rec(sc, c, t):
+        return {"scenario": sc, "contender": c, "time_to_target_s": t, "it_per_s": 1.0}
+    recs = [rec("straggler", "ddp", t) for t in (20.0, 30.0, 26.0)] + \
+        [rec("straggler", "netmax", t) for t in (9.0, 13.0, 10.0)] + \
+        [rec("mixed-links", "ddp", 100.0), rec("mixed-links", "netmax", None)]
+    out = matrix(recs)
+    assert "| scenario | ddp | netmax |" in out
+    assert "| straggler | 26.0s | 10.0s (2.60x) |" in out       # medians of three seeds
+    assert "| mixed-links | 100.0s | missed |" in out
+
+
 @pytest.mark.lab
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # ~1.5 min on an idle 2-core machine; 5.5 min seen at load 18

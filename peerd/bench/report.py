@@ -91,6 +91,29 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def matrix(records: list[dict[str, Any]]) -> str:
+    """Markdown: scenarios x contenders, each cell the median time to target over seeds and its
+    speedup over DDP (the README's table; `table` has the rest)."""
+    scens = list(dict.fromkeys(r["scenario"] for r in records))
+    conts = list(dict.fromkeys(r["contender"] for r in records))
+    med = {}
+    for sc in scens:
+        for c in conts:
+            rs = [r for r in records if r["scenario"] == sc and r["contender"] == c and "it_per_s" in r]
+            if rs:
+                med[(sc, c)] = (_median([_ttt(r) for r in rs]), len(rs))
+    lines = ["| scenario | " + " | ".join(conts) + " |", "|---|" + "---|" * len(conts)]
+    for sc in scens:
+        base = med.get((sc, "ddp"), (math.nan, 0))[0]
+        cells = []
+        for c in conts:
+            m, n = med.get((sc, c), (math.nan, 0))
+            speed = "" if c == "ddp" or math.isinf(m) or math.isnan(m) else f" ({_ratio(base, m)})"
+            cells.append("—" if not n else _fmt_s(m) + speed)
+        lines.append(f"| {sc} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 SPLIT = (("iteration", "iter_time_s"), ("step", "step_s"), ("compute", "compute_mean_s"), ("wait for mix", "wait_s"),
          ("mix itself", "mix_overhead_s"), ("other overhead", "other_s"), ("link busy", "transfer_s"))
 
@@ -273,7 +296,8 @@ def write(run_dir: Path) -> Path:
             f"target accuracy {st['target']:.0%}, {meta['seeds']} seed(s).", ""]
     for sc in meta["scenarios"]:
         body.append(f"- **{sc}**: {meta['descriptions'].get(sc, '')}")
-    body += ["", table(records)]
+    body += ["", "Median time to the target and speedup over DDP:", "", matrix(records),
+             "Per contender (medians over seeds):", "", table(records)]
     if steps:
         body.append(f"Measured compute per step: mean {statistics.mean(r['step_time_mean'] for r in steps):.3f} s.")
     split = split_table(records)
