@@ -194,6 +194,8 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
                             key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else 1 << 30, default=None)
                      for c in meta["contenders"]}
         data = {c: d for c, sd in seed_dirs.items() if sd is not None and (d := _run_data(sd)) is not None}
+        shown = sorted({seed_dirs[c].name[4:] for c in data})
+        which = f"seed {shown[0]}" if len(shown) == 1 else f"first seed on file: {', '.join(shown)}"
         if not data:
             continue
         # accuracy and loss versus wall time
@@ -213,7 +215,7 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
             ax.set_xlim(0, end * 1.03)
         ax_a.axhline(target, color="grey", ls=":", lw=1)
         ax_a.set(xlabel="wall time (s)", ylabel="mean test accuracy of the hosts' models",
-                 title=f"{sc}: accuracy vs wall time (seed 0)")
+                 title=f"{sc}: accuracy vs wall time ({which})")
         ax_l.set(xlabel="wall time (s)", ylabel="mean training loss", yscale="log",
                  title=f"{sc}: training loss vs wall time")
         for ax in (ax_a, ax_l):
@@ -236,7 +238,7 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
             ax.axis("off")
         axes[0][0].set_ylabel("iteration")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{sc}: iteration of every host over time (seed 0)")
+        fig.suptitle(f"{sc}: iteration of every host over time ({which})")
         fig.tight_layout()
         written.append(_save(fig, run_dir / f"{sc}-progress.png"))
         plt.close(fig)
