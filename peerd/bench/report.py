@@ -194,10 +194,10 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
                             key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else 1 << 30, default=None)
                      for c in meta["contenders"]}
         data = {c: d for c, sd in seed_dirs.items() if sd is not None and (d := _run_data(sd)) is not None}
-        shown = sorted({seed_dirs[c].name[4:] for c in data})
-        which = f"seed {shown[0]}" if len(shown) == 1 else f"first seed on file: {', '.join(shown)}"
         if not data:
             continue
+        shown = sorted({seed_dirs[c].name[4:] for c in data})
+        which = f"seed {shown[0]}" if len(shown) == 1 else f"first seed on file: {', '.join(shown)}"
         # accuracy and loss versus wall time
         fig, (ax_a, ax_l) = plt.subplots(1, 2, figsize=(12, 4.2))
         for c, (t0, _, progress) in data.items():

@@ -501,8 +501,8 @@ def host_times(trace: list[dict], warmup: float = WARMUP_FRACTION, until: float 
     wall = t_to - t_from
     comp = [r["compute_s"] for r in steady]
     mix = [r["mix_s"] for r in steady if "mix_s" in r]
-    # per computed step: over the steps themselves (a short window's last one may be unfinished)
-    step = (steady[-1]["t"] - t_from) / len(steady) if short and steady[-1]["t"] <= t_to else wall / len(steady)
+    # per computed step: up to the last one's end (a short window's only step may be unfinished)
+    step = (min(steady[-1]["t"], t_to) - t_from) / len(steady)
     out = {"window": [t_from, t_to], "window_steps": len(steady), "window_iterations": its,
            "iter_time_s": wall / max(1, its), "step_s": step,
            "compute_mean_s": statistics.mean(comp), "compute_std_s": statistics.pstdev(comp),
