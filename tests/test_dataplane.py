@@ -446,3 +446,107 @@ def test_kinds_carry_by_default_and_registered_ones():
             await a.push(b, [torch.ones(3)], kind="shard")
             (await take(b)).release()
     run(main())
+
+
+# ---- a channel closed under a call (the daemon closes a dead peer's channel) ------------------
+
+def _slow_source(node, seconds: float = 5.0):
+    async def source(requester: str, kind: str, min_iteration: int):
+        await asyncio.sleep(seconds)
+        return None
+    node.dp.source = source
+
+
+def test_a_pull_cut_by_closing_its_channel_fails_as_a_transfer_error_not_a_cancel():
+    """grpc.aio fails the calls of a closed channel with asyncio.CancelledError. Let through, it
+    escaped `except TransferError` in the daemon's join pull, up into the Attach handler, which
+    then answered nothing: the trainer waited out its 2-minute deadline."""
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            _slow_source(b)
+            pull = asyncio.create_task(asyncio.wait_for(a.pull(b), 10))   # as join_swarm bounds it
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            await a.channels.pop(b.address).close()
+            with pytest.raises(TransferError) as e:
+                await pull
+            assert time.monotonic() - t0 < 2
+            assert e.value.reason == "cancelled" and e.value.code == grpc.StatusCode.CANCELLED
+            assert "closed" in e.value.details and a.dp.counters["pulls_failed"] == 1
+
+            # cancelling the caller's own task is still a cancel, not a failed transfer
+            pull = asyncio.create_task(a.pull(b))
+            await asyncio.sleep(0.3)
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+    run(main())
+
+
+def test_a_unary_call_cut_by_closing_its_channel_is_a_cancelled_rpc_error():
+    from peerd.net.dataplane import rpc
+
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            _slow_source(b)
+            ch = a.channel(b)
+            read = ch.unary_stream(PULL_METHOD)(pb.PullRequest(requester="a", run_id="run1").SerializeToString(),
+                                                metadata=a.meta(), timeout=10).read()
+            call = asyncio.create_task(rpc(read))
+            await asyncio.sleep(0.3)
+            await a.channels.pop(b.address).close()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            assert e.value.code() == grpc.StatusCode.CANCELLED and "closed" in e.value.details()
+    run(main())
+
+
+def test_a_handler_whose_own_call_is_cut_answers_unavailable_at_once():
+    """The server half of the Attach hang: a handler that lets a CancelledError out answers
+    nothing, and its caller waits out its deadline. peerd's handlers answer UNAVAILABLE."""
+    from peerd.node.rpc import unary
+
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            _slow_source(b)
+            inner = a.channel(b)
+
+            async def status(request, context):   # calls b without the rpc() guard
+                await inner.unary_stream(PULL_METHOD)(
+                    pb.PullRequest(requester="a", run_id="run1").SerializeToString(), metadata=a.meta(),
+                    timeout=10).read()
+                return pb.PingReply()
+
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "t.Test", {"Ping": unary(status, pb.PingRequest, pb.PingReply)}),))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    async def ping():
+                        return await ch.unary_unary("/t.Test/Ping")(b"", timeout=8)
+                    call = asyncio.create_task(ping())
+                    await asyncio.sleep(0.3)
+                    t0 = time.monotonic()
+                    await a.channels.pop(b.address).close()
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+                    assert time.monotonic() - t0 < 2 and "found dead" in e.value.details()
+            finally:
+                await server.stop(0)
+    run(main())
+
+
+def test_a_transfer_on_a_channel_closed_before_it_began_is_a_transfer_error():
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            ch = a.channel(b)
+            await a.channels.pop(b.address).close()
+            for transfer in (a.dp.pull(ch, "b", metadata=a.meta()),
+                             a.dp.push(ch, "b", [torch.ones(3)], metadata=a.meta(), iteration=1)):
+                with pytest.raises(TransferError) as e:
+                    await transfer
+                assert e.value.reason == "cancelled" and "closed" in e.value.details
+    run(main())

@@ -100,6 +100,38 @@ def grpc_options(config: Config) -> list[tuple[str, Any]]:
     ]
 
 
+def cut_by_channel_close() -> bool:
+    """Inside `except asyncio.CancelledError` around a gRPC call: True when it was gRPC that
+    cancelled the call because its channel was closed (the daemon closes a dead peer's channel),
+    not somebody cancelling this task. grpc.aio fails such calls with asyncio.CancelledError, not
+    an RpcError: left as it is, a caller's `except AioRpcError` misses it, and a server handler
+    that lets it out answers nothing at all, so its own caller waits out its whole deadline."""
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
+
+
+CHANNEL_CLOSED = "the channel was closed under the call (the peer was found dead)"
+
+
+def channel_closed_error() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), CHANNEL_CLOSED)
+
+
+def _channel_closed(what: str) -> "TransferError":
+    return TransferError("cancelled", f"{what}: {CHANNEL_CLOSED}", grpc.StatusCode.CANCELLED)
+
+
+async def rpc(call: Awaitable) -> Any:
+    """Await one gRPC call; a close of its channel fails it as AioRpcError CANCELLED, like any
+    other failed call (see cut_by_channel_close)."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if cut_by_channel_close():
+            raise channel_closed_error() from None
+        raise
+
+
 # ---- errors, events, sources -----------------------------------------------------------------
 
 class TransferError(Exception):
@@ -608,8 +640,11 @@ class DataPlane:
 
                 call = channel.stream_unary(PUSH_METHOD)
                 try:
-                    raw = await call(frames(), metadata=tuple(metadata),
-                                     timeout=timeout or self.deadline(prep.wire_bytes))
+                    raw = await rpc(call(frames(), metadata=tuple(metadata),
+                                         timeout=timeout or self.deadline(prep.wire_bytes)))
+                except grpc.aio.UsageError:       # the channel was closed before the call began
+                    self.counters["pushes_failed"] += 1
+                    raise _channel_closed(f"push to {peer}") from None
                 except grpc.aio.AioRpcError as e:
                     self.counters["pushes_failed"] += 1
                     reason = _reason(e)
@@ -632,9 +667,13 @@ class DataPlane:
         req = pb.PullRequest(requester=self.node_id, run_id=self.run_id, min_iteration=min_iteration,
                              compression=comp, kind=kind).SerializeToString()
         async with self._sem(peer):
-            call = channel.unary_stream(PULL_METHOD)(
-                req, metadata=tuple(metadata),
-                timeout=timeout or self.deadline(self.cfg.dataplane_max_transfer_bytes))
+            try:
+                call = channel.unary_stream(PULL_METHOD)(
+                    req, metadata=tuple(metadata),
+                    timeout=timeout or self.deadline(self.cfg.dataplane_max_transfer_bytes))
+            except grpc.aio.UsageError:           # the channel was closed while we waited our turn
+                self.counters["pulls_failed"] += 1
+                raise _channel_closed(f"pull from {peer}") from None
 
             async def frames() -> Any:
                 while True:
@@ -652,6 +691,11 @@ class DataPlane:
             except grpc.aio.AioRpcError as e:
                 self.counters["pulls_failed"] += 1
                 raise TransferError(_reason(e), f"pull from {peer}: {e.details()}", e.code()) from None
+            except asyncio.CancelledError:
+                if not cut_by_channel_close():
+                    raise
+                self.counters["pulls_failed"] += 1
+                raise _channel_closed(f"pull from {peer}") from None
             finally:
                 call.cancel()
         if rec.kind != kind or rec.iteration < min_iteration:

@@ -21,7 +21,7 @@ import grpc
 from peerd import PROTOCOL_VERSION, __version__
 from peerd.config import Config
 from peerd.net.auth import AuthInterceptor, Authenticator, NONCE_KEY, REPLY_MAC_KEY, RefusalGate
-from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options
+from peerd.net.dataplane import DataPlane, Outgoing, Received, Snapshot, grpc_options, rpc
 from peerd.net.discovery import DiscoveryError
 from peerd.net.links import LinkMatrix
 from peerd.net.membership import GossipMark, Member, Membership, State, Timing, Transition
@@ -414,7 +414,7 @@ class Daemon:
         now = time.monotonic()
         try:
             call = stub(self.hello_message(), metadata=metadata, timeout=self.cfg.rpc_timeout)
-            reply: pb.HelloReply = await call
+            reply: pb.HelloReply = await rpc(call)
             initial = dict(await call.initial_metadata() or ())
         except grpc.aio.AioRpcError as err:
             self.membership.candidate_failed(address, time.monotonic())
@@ -454,7 +454,7 @@ class Daemon:
                                                     response_deserializer=pb.HeartbeatReply.FromString)
         sent = time.monotonic()
         try:
-            reply = await stub(msg, metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
+            reply = await rpc(stub(msg, metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout))
         except grpc.aio.AioRpcError as err:
             self.membership.contact_failed(m.node_id, time.monotonic())
             if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -480,8 +480,8 @@ class Daemon:
         stub = self._channel(m.address).unary_unary(method, request_serializer=pb.Leave.SerializeToString,
                                                     response_deserializer=pb.LeaveReply.FromString)
         try:
-            await stub(pb.Leave(node_id=self.node_id, incarnation=self.incarnation, reason="shutdown"),
-                       metadata=self.auth.sign(method), timeout=self.cfg.leave_timeout)
+            await rpc(stub(pb.Leave(node_id=self.node_id, incarnation=self.incarnation, reason="shutdown"),
+                           metadata=self.auth.sign(method), timeout=self.cfg.leave_timeout))
         except grpc.aio.AioRpcError:
             pass  # best effort: the failure detector covers peers we could not tell
 
@@ -545,17 +545,17 @@ class Daemon:
         method = f"/{PEER_SERVICE}/GrantTokens"
         stub = self._channel(address).unary_unary(method, request_serializer=pb.TokenGrant.SerializeToString,
                                                   response_deserializer=pb.TokenReply.FromString)
-        await stub(pb.TokenGrant(sender=self.node_id, run_id=self.cfg.run_id, tokens=n, iteration=max(iteration, 0)),
-                   metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
+        await rpc(stub(pb.TokenGrant(sender=self.node_id, run_id=self.cfg.run_id, tokens=n, iteration=max(iteration, 0)),
+                       metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout))
 
     async def notice_trainer(self, address: str, tag: str, state: int, iteration: int) -> int:
         """Tell a peer our trainer's state in run `tag`; returns the peer's iteration (-1: none)."""
         method = f"/{PEER_SERVICE}/NoticeTrainer"
         stub = self._channel(address).unary_unary(method, request_serializer=pb.TrainerNotice.SerializeToString,
                                                   response_deserializer=pb.TrainerNoticeReply.FromString)
-        reply = await stub(pb.TrainerNotice(sender=self.node_id, run_id=self.cfg.run_id, tag=tag, state=state,
-                                            iteration=max(iteration, 0)),
-                           metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout)
+        reply = await rpc(stub(pb.TrainerNotice(sender=self.node_id, run_id=self.cfg.run_id, tag=tag, state=state,
+                                                iteration=max(iteration, 0)),
+                               metadata=self.auth.sign(method), timeout=self.cfg.rpc_timeout))
         return reply.iteration
 
     def on_trainer_notice(self, n: pb.TrainerNotice) -> int:

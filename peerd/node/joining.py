@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from peerd.net.dataplane import rpc
 from peerd.v1 import peer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ async def describe(daemon: "Daemon", node: str) -> pb.RunInfo:
     stub = daemon._channel(m.address).unary_unary(method, request_serializer=pb.RunQuery.SerializeToString,
                                                   response_deserializer=pb.RunInfo.FromString)
     try:
-        return await stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id),
-                          metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout)
+        return await rpc(stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id),
+                              metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout))
     except grpc.aio.AioRpcError as e:
         log.info("describe run: %s did not answer: %s", node, e.code().name)
         return pb.RunInfo(active=False, iteration=-1) if e.code() == grpc.StatusCode.UNIMPLEMENTED else UNKNOWN
@@ -183,9 +184,9 @@ async def ask_to_join(daemon: "Daemon", spec: "RunSpec", found: Found) -> tuple[
                                                   response_deserializer=pb.JoinReply.FromString)
     try:
         # The admitter claims the rank at every other member, each within rpc_timeout, in parallel.
-        reply = await stub(pb.JoinRequest(sender=daemon.node_id, run_id=daemon.cfg.run_id, tag=found.tag,
-                                          spec_json=json.dumps(shared_spec(spec), sort_keys=True)),
-                           metadata=daemon.auth.sign(method), timeout=3 * daemon.cfg.rpc_timeout)
+        reply = await rpc(stub(pb.JoinRequest(sender=daemon.node_id, run_id=daemon.cfg.run_id, tag=found.tag,
+                                              spec_json=json.dumps(shared_spec(spec), sort_keys=True)),
+                               metadata=daemon.auth.sign(method), timeout=3 * daemon.cfg.rpc_timeout))
     except grpc.aio.AioRpcError as e:
         if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             raise JoinRefused(f"{admitter} refused: {e.details()}") from None
@@ -280,9 +281,9 @@ async def _claim_at(daemon: "Daemon", run: "TrainingRun", member: str, node: str
     stub = daemon._channel(m.address).unary_unary(method, request_serializer=pb.AdmitRequest.SerializeToString,
                                                   response_deserializer=pb.AdmitReply.FromString)
     try:
-        reply = await stub(pb.AdmitRequest(sender=daemon.node_id, run_id=daemon.cfg.run_id, tag=run.tag, node=node,
-                                           rank=rank, release=rel),
-                           metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout)
+        reply = await rpc(stub(pb.AdmitRequest(sender=daemon.node_id, run_id=daemon.cfg.run_id, tag=run.tag,
+                                               node=node, rank=rank, release=rel),
+                               metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout))
     except grpc.aio.AioRpcError as e:
         return f"no answer ({e.code().name})"
     return "" if reply.accepted else f"held by {reply.holder or '?'}"

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from peerd.net import tensorwire as tw
-from peerd.net.dataplane import PUSH_METHOD, Outgoing, PushResult
+from peerd.net.dataplane import PUSH_METHOD, Outgoing, PushResult, rpc
 from peerd.net.linkprobe import probe_loop
 from peerd.net.links import RTT, LinkEstimate, LinkMatrix, LinkTable, Probe
 from peerd.net.membership import State
@@ -139,8 +139,8 @@ class LinkService:
                                        response_deserializer=pb.PingReply.FromString)
             metadata = d.auth.sign(PING_METHOD)
             t0 = time.monotonic()
-            reply = await stub(pb.PingRequest(nonce=nonce, payload=bytes(p.size_bytes)), metadata=metadata,
-                               timeout=p.deadline_s)
+            reply = await rpc(stub(pb.PingRequest(nonce=nonce, payload=bytes(p.size_bytes)), metadata=metadata,
+                                   timeout=p.deadline_s))
             took = time.monotonic() - t0
             if reply.nonce != nonce:
                 raise ValueError(f"Ping answered with nonce {reply.nonce}, sent {nonce}")

@@ -1,16 +1,25 @@
-"""Building gRPC method handlers whose malformed input gets a clear INVALID_ARGUMENT."""
+"""Building gRPC method handlers whose malformed input gets a clear INVALID_ARGUMENT, and whose
+inner calls cut by a closed channel get a clear UNAVAILABLE instead of no answer."""
 from __future__ import annotations
 
+import asyncio
 from typing import Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from peerd.net.dataplane import cut_by_channel_close
+
 
 def unary(fn: Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]],
           request_type: type[Message], response_type: type[Message]) -> grpc.RpcMethodHandler:
     """A unary handler that parses the request itself: a corrupt message is refused as
-    INVALID_ARGUMENT naming the message type (gRPC's own deserializer failure says UNKNOWN)."""
+    INVALID_ARGUMENT naming the message type (gRPC's own deserializer failure says UNKNOWN).
+
+    A handler that calls a peer whose channel the daemon closes meanwhile (the peer was found
+    dead) gets asyncio.CancelledError from gRPC; let out of a handler, gRPC answers nothing and the
+    caller waits out its deadline (a trainer's Attach did, for 2 minutes). It is answered
+    UNAVAILABLE, which the caller can retry."""
     name = request_type.DESCRIPTOR.full_name
 
     async def handler(raw: bytes, context: grpc.aio.ServicerContext):
@@ -18,6 +27,13 @@ def unary(fn: Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]],
             request = request_type.FromString(raw)
         except DecodeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: malformed {name}: {e}")
-        return await fn(request, context)
+        try:
+            return await fn(request, context)
+        except asyncio.CancelledError:
+            if not cut_by_channel_close():
+                raise                      # the call itself was cancelled (its caller went away)
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"peerd: {name} not answered: a call it made to a peer was cut (that peer's "
+                            f"channel was closed: it was found dead); try again")
 
     return grpc.unary_unary_rpc_method_handler(handler, response_serializer=response_type.SerializeToString)

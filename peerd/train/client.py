@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -68,12 +69,20 @@ class DaemonExchange:
         req = cpb.AttachRequest(layout=[cpb.LayoutEntry(name=n, dtype=d, shape=s) for n, d, s in layout.specs()],
                                 total_bytes=layout.total_bytes, pid=os.getpid(),
                                 run_id=os.environ.get("PEERD_RUN_ID", ""))
-        try:
-            reply = self._stub.Attach(req, timeout=self.timeout)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise LayoutMismatch(e.details()) from None
-            raise
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                reply = self._stub.Attach(req, timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise LayoutMismatch(e.details()) from None
+                # the daemon's own UNAVAILABLE (not a daemon that is gone): a call it made to a peer
+                # was cut, the peer found dead meanwhile; it says try again
+                said_by_daemon = e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith("peerd:")
+                if not said_by_daemon or time.monotonic() + 1.0 >= deadline:
+                    raise
+                time.sleep(1.0)
         self.session, self.rank, self.world, self.node_id = reply.session_id, reply.rank, reply.world, reply.node_id
         self._slots = [_map(p, layout.total_bytes) for p in reply.slot_paths]
         self._layout = layout
