@@ -217,6 +217,9 @@ class Config:
     netmax_gamma: float = _f(0.5, "NetMax: consensus weight of the pulled model")
     netmax_resolve_frac: float = _f(0.2, "NetMax: relative change of a link estimate that triggers a re-solve")
     netmax_consensus: float = _f(0.3, "NetMax: weight of the consensus term in the time-to-converge model")
+    netmax_gap_weight: bool = _f(True, "NetMax: a pulled model older than our own is mixed with weight "
+                                       "gamma x (its iteration + 1) / (ours + 1), so a fast host is not "
+                                       "dragged back by young models (ours, not the paper's)")
 
     # --- trainer side (peerd.train) -------------------------------------------------------------
     train_mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "

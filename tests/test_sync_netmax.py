@@ -86,12 +86,30 @@ def test_policy_pulls_by_probability_and_resolves_on_changes():
         acts = p.on_event(Published(k), k)
         (pull,) = [a for a in acts if isinstance(a, Pull)]
         picks.append(pull.dst)
-        p.on_event(UpdateArrived(pull.dst, 7), k)
+        p.on_event(UpdateArrived(pull.dst, k + 3), k)
         (mix,) = [a for a in p.on_event(MixRequested(k), k) if isinstance(a, Mix)]
-        assert mix.entries == ((0, k, 0.5), (pull.dst, 7, 0.5))
+        assert mix.entries == ((0, k, 0.5), (pull.dst, k + 3, 0.5))
     assert picks.count(1) > picks.count(2) and picks.count(1) > picks.count(3)
     p.on_event(PeerDown(1), 300)
     assert p.row()[1] == 0 and abs(p.row().sum() - 1) < 1e-12
+
+
+def _mix_with(p: nm.NetMax, k: int, k_pulled: int) -> Mix:
+    (pull,) = [a for a in p.on_event(Published(k), k) if isinstance(a, Pull)]
+    p.on_event(UpdateArrived(pull.dst, k_pulled), k)
+    (mix,) = [a for a in p.on_event(MixRequested(k), k) if isinstance(a, Mix)]
+    return mix
+
+
+def test_an_older_pulled_model_weighs_by_its_share_of_our_iterations():
+    """A host at iteration 49 that pulls a model of iteration 4 mixes it with gamma x 5/50, not
+    gamma: it is not dragged back to its young peers (the mixed-links star's fast host was)."""
+    p = nm.NetMax(0, T.complete(3), seed=1)
+    mix = _mix_with(p, 49, 4)
+    assert [w for _, _, w in mix.entries] == pytest.approx([1 - 0.05, 0.05])
+    assert [w for _, _, w in _mix_with(p, 50, 80).entries] == [0.5, 0.5]   # a newer model: plain gamma
+    plain = nm.NetMax(0, T.complete(3), seed=1, gap_weight=False)
+    assert [w for _, _, w in _mix_with(plain, 49, 4).entries] == [0.5, 0.5]
 
 
 def test_simulated_link_change_triggers_a_resolve_towards_the_new_fast_links():

@@ -54,7 +54,7 @@ def build(name: str, n: int, topo: Topology, *, seed: int = 0, **opts: Any) -> l
         keys = ("staleness",)
         return [AAU(i, topo, **{k: o[k] for k in keys if k in o}) for i in range(n)]
     if name.startswith("netmax"):
-        keys = ("probs", "gamma", "resolve_frac", "consensus", "pull_backoff", "pull_backoff_first")
+        keys = ("probs", "gamma", "gap_weight", "resolve_frac", "consensus", "pull_backoff", "pull_backoff_first")
         return [NetMax(i, topo, seed=seed, **{k: o[k] for k in keys if k in o}) for i in range(n)]
     if name == "ad-psgd":
         return [ADPSGD(i, topo, seed=seed, **{k: o[k] for k in ("pull_backoff", "pull_backoff_first") if k in o}) for i in range(n)]
@@ -77,7 +77,7 @@ def options(cfg: Any, algorithm: str | None = None) -> dict[str, Any]:
     elif name == "aau":
         o["staleness"] = cfg.aau_staleness
     elif name.startswith("netmax"):
-        o.update(gamma=cfg.netmax_gamma, resolve_frac=cfg.netmax_resolve_frac,
+        o.update(gamma=cfg.netmax_gamma, gap_weight=cfg.netmax_gap_weight, resolve_frac=cfg.netmax_resolve_frac,
                  consensus=cfg.netmax_consensus, pull_backoff=cfg.train_pull_backoff,
                  pull_backoff_first=cfg.train_pull_backoff_first)
     elif name == "ad-psgd":
