@@ -325,6 +325,11 @@ class Config:
     bench_quiet_window: float = _f(5.0, "seconds of the quiet check (bench_quiet_rate)", scope="bench")
     bench_quiet_timeout: float = _f(240.0, "bound on the wait for a quiet lab; past it the runs start anyway "
                                            "and the scenario's records say so", scope="bench")
+    bench_settle_timeout: float = _f(420.0, "bound on the wait, before a scenario's first run, for every daemon's "
+                                            "bandwidth probing of every link to reach its steady period (after "
+                                            "warm-up, probes come 4, 8, 16, ... s apart: ~2 min at 1 Gbit, ~4.5 min at 10 Mbit); "
+                                            "past it the runs start anyway and the records say so; 0: no wait "
+                                            "(--quick)", scope="bench")
 
     # --- late joiners: a run that admits new hosts (issue 8; peerd/node/joining.py) -------------
     train_max_world: int = _f(0, "hosts a run may grow to by late joiners when `peerd train` gives no "

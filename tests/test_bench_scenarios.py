@@ -45,6 +45,18 @@ def test_pad_sleeps_to_the_target():
 
 
 
+def test_the_bench_waits_for_every_own_link_of_every_host_to_probe_steadily():
+    from peerd.bench.scenarios import unsettled_links
+    row = lambda m, t, ph: {"measurer": m, "target": t, "probe_phase": ph}
+    steady = {"h1": {"node_id": "a", "links": [row("a", "b", "steady"), row("b", "a", "")]},
+              "h2": {"node_id": "b", "links": [row("b", "a", "steady"), row("a", "b", "")]}}
+    assert unsettled_links(steady) == {}
+    late = {"h1": {"node_id": "a", "links": [row("a", "b", "settling")]},   # gossiped rows do not count
+            "h2": None,                                                       # no answer
+            "h3": {"node_id": "c", "links": []}}                              # nothing measured yet
+    assert unsettled_links(late) == {"h1": ["b:settling"], "h2": ["(no answer)"], "h3": ["(no links yet)"]}
+
+
 def test_a_slow_host_counts_as_quiet_only_below_a_share_of_its_own_link():
     """Measured on star-6 during warm-up: the 10 Mbit hosts sent 100-700 kB/s of probes (up to
     58 % of their link), always below the fixed 1 MB/s; at rest every host sends 7-25 kB/s."""
@@ -88,7 +100,8 @@ def test_tiny_bench_runs_ddp_and_a_peerd_algorithm_in_the_lab_and_reports(tmp_pa
                                   env={"PEERD_LAB_READY_TIMEOUT": "60",   # a loaded CI machine
                                        # the quiet check passes at once: the warm-up wait would take a minute
                                        "PEERD_BENCH_QUIET_RATE": "1e12", "PEERD_BENCH_QUIET_SHARE": "1e6",
-                                       "PEERD_BENCH_QUIET_WINDOW": "1"})
+                                       "PEERD_BENCH_QUIET_WINDOW": "1",
+                                       "PEERD_BENCH_SETTLE_TIMEOUT": "0"})
     assert res.exit_code == 0, res.output
     recs = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["contender"] for r in recs] == ["ddp", "hop-backup-skip"]
@@ -162,7 +175,8 @@ def test_sigterm_takes_the_bench_lab_down_and_says_how_to_resume(tmp_path):
 
     out = tmp_path / "run"
     env = {**os.environ, "PEERD_LAB_READY_TIMEOUT": "60", "PEERD_BENCH_QUIET_RATE": "1e12",
-           "PEERD_BENCH_QUIET_SHARE": "1e6", "PEERD_BENCH_QUIET_WINDOW": "1"}
+           "PEERD_BENCH_QUIET_SHARE": "1e6", "PEERD_BENCH_QUIET_WINDOW": "1",
+           "PEERD_BENCH_SETTLE_TIMEOUT": "0"}
     p = subprocess.Popen([sys.executable, "-m", "cli.main", "bench", "scenarios", "--out", str(out),
                           "--scenario", "straggler", "--contender", "hop", "--hosts", "2", "--iterations", "2000",
                           "--seeds", "1", "--step-time", "0.05"],

@@ -198,6 +198,9 @@ def test_two_sites_every_host_ranks_intra_site_links_above_inter_site_within_25_
     if worst:
         print(f"worst link: {worst[2][0]}->{worst[2][1]} in {worst[1]}'s view, {worst[3]:.1%} of the shaped goodput")
     assert not any(failing.values()), failing
+    # each daemon says how far its probing of its own links has come (the bench waits for steady)
+    phases = {r["probe_phase"] for h, v in views.items() for r in v["links"] if r["measurer"] == ids[h]}
+    assert phases and phases <= {"warm-up", "settling", "steady"}, phases
     text = lb.run("h1", [sys.executable, "-m", "cli.main", "links"], timeout=20).stdout
     assert "capacity, Mbit/s" in text and "throughput, Mbit/s" in text and "rtt, ms" in text
     assert f"links seen by {ids['h1']}" in text

@@ -321,6 +321,27 @@ def settled(bw, rtt, cfg=CFG):
     return t, now
 
 
+def test_probe_phase_goes_warm_up_settling_steady_and_steady_probes_keep_the_period():
+    """What a benchmark waits for before its first run: once "steady", the next bandwidth probe
+    of the link is one bw_period away (no settle probe 4-64 s later)."""
+    bw, rtt = 125e6, 0.0002                      # 1 Gbit, as in the lab's LAN scenarios
+    t = LinkTable("a", CFG)
+    t.add_peer("b")
+    now, seen, bw_starts = 0.0, [], []
+    while now < 600:
+        phase = t.phase("b")
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+        if phase == "steady" and len(bw_starts) < 1:
+            bw_starts.append(now)
+        kinds = probe_all(t, now, bw, rtt)
+        if phase == "steady" and BW in kinds:
+            bw_starts.append(now)
+        now = t.next_due(now)
+    assert seen == ["warm-up", "settling", "steady"]
+    assert len(bw_starts) >= 2 and bw_starts[1] - bw_starts[0] >= 0.9 * t.bw_period("b")
+
+
 def test_probes_that_met_cross_traffic_do_not_drag_the_capacity_down():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
@@ -637,6 +658,11 @@ def test_render_text_and_json():
     row = next(r for r in js["links"] if r["target"] == "gamma")
     assert row["capacity_mbit_s"] == pytest.approx(10.0) and row["throughput_mbit_s"] == pytest.approx(10.0)
     assert row["rtt_ms"] == pytest.approx(50.0) and row["age_s"] == 40 and row["capacity_age_s"] == 40
+    assert row["probe_phase"] == "" and "not steady" not in text
+    reply = m.to_dict(now=100.0)
+    reply["links"] = [dict(e, probe_phase="settling") if e["measurer"] == "alpha" else e for e in reply["links"]]
+    reply["links"].append({"measurer": "alpha", "target": "beta", "probe_phase": "settling"})
+    assert "probing not steady yet" in render_links(reply) and "beta" in render_links(reply).splitlines()[-3]
 
 
 def test_render_accepts_the_links_reply_and_long_ids():

@@ -240,6 +240,44 @@ def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None], egress: d
     return None
 
 
+def unsettled_links(links_by_host: dict[str, Any]) -> dict[str, list[str]]:
+    """host -> its own links whose bandwidth probing is not steady yet (`peerd links --json`'s
+    probe_phase); a host whose daemon did not answer counts as one unsettled link."""
+    out: dict[str, list[str]] = {}
+    for h, reply in links_by_host.items():
+        if not reply:
+            out[h] = ["(no answer)"]
+            continue
+        me = reply.get("node_id")
+        rows = [e for e in reply.get("links", []) if e.get("measurer") == me]
+        late = [f"{e.get('target', '?')[:8]}:{e.get('probe_phase') or '?'}" for e in rows
+                if e.get("probe_phase") != "steady"]
+        if late or not rows:
+            out[h] = late or ["(no links yet)"]
+    return out
+
+
+def _wait_links_steady(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) -> float | None:
+    """Seconds until every daemon's probing of every link is steady (one probe per period, within
+    link_probe_budget); None when bench_settle_timeout passed first. After the warm-up the probes
+    come 4, 8, 16, 32, 64 s apart: a byte-rate check passes in one of those gaps, and the next
+    probes (25-100 MB each at 1 Gbit, to every peer) then fall into the first run, which sent
+    about twice the bytes per step of the same contender's later seeds."""
+    if cfg.bench_settle_timeout <= 0:
+        return None
+    t0 = time.monotonic()
+    while True:
+        late = unsettled_links({h: _cli_json(lb, h, "links", timeout=30.0) for h in lb.hosts})
+        if not late:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 >= cfg.bench_settle_timeout:
+            return None
+        n = sum(len(v) for v in late.values())
+        echo(f"       waiting for the daemons' link probing to settle: {n} link(s) not steady, "
+             + "; ".join(f"{h} {' '.join(v[:3])}" for h, v in list(late.items())[:3]))
+        time.sleep(10.0)
+
+
 def _wait_swarm(lb: lab.Lab, timeout: float) -> dict[str, str]:
     """host -> node id, once every daemon lists every other as alive."""
     deadline = time.monotonic() + timeout
@@ -715,6 +753,10 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         try:
             lb = lab.Lab(lab_dir)
             ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
+            settled_after = _wait_links_steady(lb, cfg, echo)
+            echo(f"    link probing steady after {settled_after:.0f}s" if settled_after is not None else
+                 f"    link probing not waited for to be steady ({cfg.bench_settle_timeout:g}s, bench_settle_timeout): "
+                 "the first runs may share the links with settle probes")
             quiet_after = _wait_quiet(lb, cfg, echo, egress_rates(prof))
             echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
                  f"    the lab did not quiet down within {cfg.bench_quiet_timeout:g}s (bench_quiet_timeout): "
@@ -748,6 +790,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                         echo(f"    FAILED: {e}")
                     rec["run_s"] = time.monotonic() - t
                     rec["lab_quiet_after_s"] = None if quiet_after is None else round(quiet_after, 1)
+                    rec["lab_settled_after_s"] = None if settled_after is None else round(settled_after, 1)
                     # the machine's 1-minute load average before and after: timings on a shared
                     # machine are only comparable at like loads
                     rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

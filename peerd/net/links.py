@@ -467,6 +467,20 @@ class LinkTable:
         busy = self.probe_size(peer) / est.bw.mean
         return max(cfg.link_bw_interval, busy / (cfg.link_probe_budget - pings))
 
+    def phase(self, peer: str) -> str:
+        """Where the bandwidth probing of `peer` stands: "warm-up" (back-to-back growing probes),
+        "settling" (gaps growing towards the steady period; each probe still spends link time every
+        few to tens of seconds) or "steady" (one probe per bw_period, within link_probe_budget).
+        A benchmark waits for "steady" on every link: settle probes of 25-100 MB on a 1 Gbit link
+        doubled the bytes a scenario's first contender sent per step."""
+        est, sched = self.links[peer], self._sched[(peer, BW)]
+        if est.bw_at is None or self._warming(est, sched) or (
+                sched.short and sched.last_bytes < self.cfg.link_probe_max_bytes):
+            return "warm-up"
+        if sched.dips or self._settle_gap(sched.settled) < self.bw_period(peer) * (1 + sched.debt):
+            return "settling"
+        return "steady"
+
     def _due_at(self, peer: str, kind: str) -> float:
         cfg = self.cfg
         est = self.links[peer]
@@ -756,7 +770,8 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
     JSON rows: measurer, target, capacity_mbit_s (highest recent trusted sample: what the path
     carries), capacity_age_s (age of that sample), throughput_mbit_s and throughput_mbit_s_spread
     (EWMA of all samples and its spread: what transfers got lately, cross traffic included),
-    rtt_ms, rtt_ms_spread, samples, age_s (since the measurer last updated the entry). Mbit/s are
+    rtt_ms, rtt_ms_spread, samples, age_s (since the measurer last updated the entry), probe_phase
+    (the answering daemon's own links: warm-up, settling or steady; "" otherwise). Mbit/s are
     10^6 bits per second of payload. Missing fields count as 0 (protobuf's MessageToDict omits
     zeros). Rows measure towards columns.
     """
@@ -770,7 +785,8 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
                      "throughput_mbit_s": get("throughput_bytes_s") * 8 / 1e6,
                      "throughput_mbit_s_spread": get("throughput_spread_bytes_s") * 8 / 1e6,
                      "rtt_ms": get("rtt_s") * 1e3, "rtt_ms_spread": get("rtt_spread_s") * 1e3,
-                     "age_s": get("age_s"), "samples": int(d.get("samples", 0) or 0)})
+                     "age_s": get("age_s"), "samples": int(d.get("samples", 0) or 0),
+                     "probe_phase": str(d.get("probe_phase", ""))})
     rows.sort(key=lambda r: (r["measurer"], r["target"]))
     if fmt == "json":
         return json.dumps({"node_id": me, "links": rows}, indent=2)
@@ -808,6 +824,10 @@ def render_links(matrix: Mapping[str, Any], fmt: str = "text") -> str:
           lambda r: pm(r["throughput_mbit_s"], r["throughput_mbit_s_spread"], 1))
     table("rtt, ms (average +- spread)", lambda r: pm(r["rtt_ms"], r["rtt_ms_spread"], 2))
     table("age, s (since the measurer last updated it)", lambda r: f"{r['age_s']:.0f}")
+    late = sorted(lab[r["target"]] for r in rows if r["measurer"] == me and r["probe_phase"] not in ("", "steady"))
+    if late:
+        out.append("")
+        out.append(f"probing not steady yet (warm-up or settling: extra probes for a few minutes): {', '.join(late)}")
     if any(lab[n] != n for n in nodes):
         out.append("")
         out.extend(f"{lab[n]} = {n}" for n in nodes)

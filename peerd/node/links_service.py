@@ -216,8 +216,11 @@ class LinkService:
     def links_reply(self) -> cpb.LinksReply:
         now = time.monotonic()
         self._expire(now)
+        own = self.table.links
         return cpb.LinksReply(node_id=self.node_id, links=[
-            cpb.LinkMeasurement(**e) for e in self.matrix.to_entries(now)])
+            cpb.LinkMeasurement(**e, probe_phase=self.table.phase(e["target"])
+                                if e["measurer"] == self.node_id and e["target"] in own else "")
+            for e in self.matrix.to_entries(now)])
 
 
 def _random_bytes(n: int) -> torch.Tensor:

@@ -88,7 +88,7 @@ class LinksReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
-    __slots__ = ("measurer", "target", "throughput_bytes_s", "rtt_s", "age_s", "samples", "throughput_spread_bytes_s", "rtt_spread_s", "capacity_bytes_s", "capacity_age_s")
+    __slots__ = ("measurer", "target", "throughput_bytes_s", "rtt_s", "age_s", "samples", "throughput_spread_bytes_s", "rtt_spread_s", "capacity_bytes_s", "capacity_age_s", "probe_phase")
     MEASURER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_BYTES_S_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class LinkMeasurement(_message.Message):
     RTT_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PHASE_FIELD_NUMBER: _ClassVar[int]
     measurer: str
     target: str
     throughput_bytes_s: float
@@ -109,7 +110,8 @@ class LinkMeasurement(_message.Message):
     rtt_spread_s: float
     capacity_bytes_s: float
     capacity_age_s: float
-    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ...) -> None: ...
+    probe_phase: str
+    def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., age_s: _Optional[float] = ..., samples: _Optional[int] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ..., probe_phase: _Optional[str] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("task", "algorithm", "topology", "world", "iterations", "seed", "non_iid", "slowdown", "options", "script", "eval_every", "join_timeout_s", "max_world")
