@@ -21,6 +21,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -272,9 +273,9 @@ def _wait_links_steady(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) ->
             return time.monotonic() - t0
         if time.monotonic() - t0 >= cfg.bench_settle_timeout:
             return None
-        n = sum(len(v) for v in late.values())
-        echo(f"       waiting for the daemons' link probing to settle: {n} link(s) not steady, "
-             + "; ".join(f"{h} {' '.join(v[:3])}" for h, v in list(late.items())[:3]))
+        phases = collections.Counter(x.rpartition(":")[2] or x for v in late.values() for x in v)
+        echo(f"       waiting for the daemons' link probing to settle ({time.monotonic() - t0:.0f}s): "
+             + ", ".join(f"{n} {ph}" for ph, n in phases.most_common()) + f" on {len(late)} host(s)")
         time.sleep(10.0)
 
 
@@ -754,9 +755,12 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
             lb = lab.Lab(lab_dir)
             ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
             settled_after = _wait_links_steady(lb, cfg, echo)
-            echo(f"    link probing steady after {settled_after:.0f}s" if settled_after is not None else
-                 f"    link probing not waited for to be steady ({cfg.bench_settle_timeout:g}s, bench_settle_timeout): "
-                 "the first runs may share the links with settle probes")
+            if settled_after is not None:
+                echo(f"    link probing steady after {settled_after:.0f}s")
+            else:
+                echo("    " + (f"link probing not steady within {cfg.bench_settle_timeout:g}s (bench_settle_timeout)"
+                              if cfg.bench_settle_timeout > 0 else "not waiting for the link probing to settle")
+                     + ": the first runs may share the links with settle probes")
             quiet_after = _wait_quiet(lb, cfg, echo, egress_rates(prof))
             echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
                  f"    the lab did not quiet down within {cfg.bench_quiet_timeout:g}s (bench_quiet_timeout): "
