@@ -470,15 +470,18 @@ class LinkTable:
     def phase(self, peer: str) -> str:
         """Where the bandwidth probing of `peer` stands: "warm-up" (back-to-back growing probes),
         "settling" (gaps growing towards the steady period; each probe still spends link time every
-        few to tens of seconds) or "steady" (one probe per bw_period, within link_probe_budget;
-        re-checks of a low probe belong to it: they keep the budget, and on a busy shared link they
-        never stop for long). A benchmark waits for "steady" on every link: settle probes of 25 MB
-        on a 1 Gbit link doubled the bytes a scenario's first contender sent per step."""
+        few to tens of seconds) or "steady": the next probe at least bw_period / link_settle_growth
+        away, so probes cost at most that factor more than at steady state (waiting out the last
+        doublings, 128-256 s gaps, took the lab's 1 Gbit links past 7 minutes). Re-checks of a low
+        probe belong to steady: they keep the budget, and on a busy shared link they never stop for
+        long. A benchmark waits for "steady" on every link: settle probes of 25 MB on a 1 Gbit link
+        doubled the bytes a scenario's first contender sent per step."""
         est, sched = self.links[peer], self._sched[(peer, BW)]
         if est.bw_at is None or self._warming(est, sched) or (
                 sched.short and sched.last_bytes < self.cfg.link_probe_max_bytes):
             return "warm-up"
-        return "settling" if self._settle_gap(sched.settled) < self.bw_period(peer) else "steady"
+        settled = self._settle_gap(sched.settled) * self.cfg.link_settle_growth >= self.bw_period(peer)
+        return "steady" if settled else "settling"
 
     def _due_at(self, peer: str, kind: str) -> float:
         cfg = self.cfg
