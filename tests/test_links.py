@@ -296,6 +296,31 @@ def test_change_detection_triggers_a_reprobe_and_a_confirmed_change_resets():
     assert answer(t, now, bw / 3, rtt).count(RTT) == 1
 
 
+def test_a_busy_hosts_slow_small_transfers_do_not_keep_reprobing_a_fast_link():
+    """On a CPU-bound host, 1.1 MB transfers over 1 Gbit read ~5x slow while probes read the link.
+    Each alarm a probe does not confirm makes the next wait longer, so probing stays within its
+    budget (before: a 25 MB probe every link_min_probe_gap, ~10 % of the link's time, and the
+    capacity fell to the transfers' level). A real drop is still confirmed within a period."""
+    bw, rtt, size = 1.25e8, 0.0002, 1_100_000
+    t, now = settled(bw, rtt)
+    rng, start, probe_time = random.Random(3), now, 0.0
+    while now < start + 600:
+        t.observe_transfer("b", size, 0.06 * rng.uniform(0.5, 1.5), now)
+        for p in t.due_probes(now):
+            probe_time += p.size_bytes / bw if p.kind == BW else 0.0
+            run(t, p, bw, rtt, now)
+        now += 0.2
+    assert probe_time / 600 < 2 * CFG.link_probe_budget
+    assert t.estimate("b").capacity == pytest.approx(bw, rel=0.01)
+    slow, dropped = bw / 10, now
+    while now < dropped + t.bw_period("b") + CFG.link_min_probe_gap:
+        t.observe_transfer("b", size, rtt + size / slow, now)
+        for p in t.due_probes(now):
+            run(t, p, slow, rtt, now)
+        now += 0.2
+    assert t.estimate("b").bw.mean == pytest.approx(slow, rel=0.05)
+
+
 # ---- capacity: robust to probes that share a bottleneck ----------------------------------------
 
 def probe_all(t, now, bw, rtt, share=1.0):

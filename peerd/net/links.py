@@ -10,7 +10,8 @@ Estimates
     that shares a bottleneck with other traffic (another host of the site probing through the same
     uplink, the data plane) reads low, never high, so the best recent sample is the robust figure
     and an EWMA is not. Kept as a monotonic queue (rates fall from front to back, at most
-    link_capacity_samples): O(1) amortized, and the newest sample always counts.
+    link_capacity_samples, dropped after the highest): O(1) amortized, the newest sample always
+    counts and the highest until the window ends.
   throughput: the EWMA of all samples, probes and data-plane transfers alike: what transfers got
     lately, cross traffic included.
   A steady-state probe that reads more than link_capacity_dip below the capacity is re-checked
@@ -77,7 +78,13 @@ When to probe (due_probes)
 - Change: a data-plane sample that deviates from the estimate by more than link_change_fraction
   (for RTT also by more than link_rtt_change_floor) makes a probe of that kind due at once, but no
   sooner than link_min_probe_gap after the previous one. If that probe deviates the same way, the
-  estimate restarts from it (a level shift) instead of crawling there at rate a.
+  estimate restarts from it (a level shift) instead of crawling there at rate a. The change is
+  real only if the probe also deviates that way from the last probe no change ran across;
+  otherwise the alarm was false (a busy CPU makes small transfers on a fast link read slow) and
+  the n-th false alarm in a row silences data-plane alarms for link_min_probe_gap *
+  link_settle_growth^n, at most the kind's period (bw_period, or link_rtt_interval). So a busy
+  host's probing stays near its budget (it was ~10 % of a 1 Gbit link's time), a real change
+  waits at most one period, and a real change ends the silence.
 - A failed probe backs off exponentially from link_min_probe_gap up to link_retry_max. A probe the
   daemon never reports on expires at its deadline and counts as failed. Liveness is not decided
   here: the failure detector owns it, and the daemon removes dead peers.
@@ -195,8 +202,13 @@ class LinkEstimate:
         while self.peaks and self.peaks[-1].rate <= s.rate:
             self.peaks.pop()                         # never the max again while s is in the window
         self.peaks.append(s)
-        while len(self.peaks) > 1 and (self.peaks[0].at < s.at - window or len(self.peaks) > most):
+        while len(self.peaks) > 1 and self.peaks[0].at < s.at - window:
             self.peaks.popleft()
+        if len(self.peaks) > most:
+            # Lose resolution after the highest, never the highest itself: a stream of falling
+            # data-plane samples (a busy host's small transfers) would otherwise push a probe's
+            # reading out long before the window ends.
+            del self.peaks[1]
 
     @property
     def samples(self) -> int:
@@ -230,6 +242,9 @@ class _Schedule:
     retry_at: float = -math.inf
     change_at: float | None = None    # a data-plane sample disagreed with the estimate at
     change_sign: int = 0
+    false_alarms: int = 0             # change probes in a row that found no change
+    alarm_quiet_until: float = -math.inf   # data-plane deviations trigger no probe before this
+    probe_level: float | None = None  # the last probe's reading that no change seen ran across
     short: bool = False               # the estimate rests only on too-short bandwidth samples
     last_bytes: int = 0               # size of the last bandwidth sample
     flat: int = 0                     # warm-up: trusted probes in a row that did not raise the estimate
@@ -238,6 +253,12 @@ class _Schedule:
     settled: int = 0                  # trusted probes since warm-up (their gap grows with this)
     dips: list[Sample] = field(default_factory=list)   # probes in a row that read below the capacity
     debt: int = 0                     # re-check probes the next period must pay for (the budget holds)
+
+
+def _moved(ref: float, x: float, sign: int, fraction: float, floor: float) -> bool:
+    """x lies off ref by more than max(fraction * ref, floor), in direction `sign` (+1 up, -1 down)."""
+    d = x - ref
+    return abs(d) > max(fraction * ref, floor) and (d > 0) - (d < 0) == sign
 
 
 class LinkTable:
@@ -286,7 +307,7 @@ class LinkTable:
             return False
         sched = self._sched[(peer, RTT)]
         floor = self.cfg.link_rtt_change_floor
-        self._fold(est.rtt, seconds, sched, probe, now, floor)
+        self._fold(est.rtt, seconds, sched, probe, now, floor, self.cfg.link_rtt_interval)
         est.rtt_at = now
         est.add_rtt_low(now, seconds, self.cfg.link_rtt_min_window)
         return True
@@ -329,7 +350,7 @@ class LinkTable:
                 est.bw.n += 1
             self._settle(sched, probe)
         else:
-            self._fold(est.bw, rate, sched, probe, now, 0.0)
+            self._fold(est.bw, rate, sched, probe, now, 0.0, self.bw_period(peer))
         after = probe and not warming
         # Only a steady-state probe may lower the capacity: while probes settle, those of hosts that
         # started together still meet often (in both directions: a full uplink also delays ACKs).
@@ -400,27 +421,48 @@ class LinkTable:
             sched.retry_at = -math.inf
             sched.change_at = None
 
-    def _fold(self, ewma: Ewma, x: float, sched: _Schedule, probe: bool, now: float, floor: float) -> None:
+    def _fold(self, ewma: Ewma, x: float, sched: _Schedule, probe: bool, now: float, floor: float,
+              holdoff_max: float) -> None:
+        """Fold a sample into `ewma`. A data-plane sample off the estimate asks for an early probe,
+        unless recent ones were false alarms (then not before alarm_quiet_until: link_min_probe_gap
+        x link_settle_growth^n after the n-th in a row, at most `holdoff_max`, the kind's own period)."""
         a = self.cfg.link_ewma_alpha
-        dev = x - ewma.mean
-        off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
-        sign = (dev > 0) - (dev < 0)
         if probe:
             # Only a probe started after the change was seen answers it; one already in flight ran
             # partly before the change (or beside the transfer that showed it).
             seen = sched.change_at
             fresh = seen is not None and sched.started is not None and sched.started >= seen
-            if fresh and off and sign == sched.change_sign:
-                ewma.restart(x)                      # the probe confirms the change
+            # The estimate can sit between a probe level and a data-plane level that differ for
+            # good (a busy host's small transfers on a fast link read slow): following the alarm's
+            # direction from there, a probe "confirms" every other alarm. So the estimate restarts
+            # when the probe is off it (or off the last clean probe) in the alarm's direction, but
+            # only a move off the last clean probe counts as a real change; any other alarm was
+            # false, and the next ones wait longer.
+            frac, sign = self.cfg.link_change_fraction, sched.change_sign
+            off = ewma.n > 0 and _moved(ewma.mean, x, sign, frac, floor)
+            ref = sched.probe_level
+            real = off if ref is None else _moved(ref, x, sign, frac, floor)
+            if fresh and (off or real):
+                ewma.restart(x)
             else:
                 ewma.add(x, a)
+            if fresh and real:
+                sched.false_alarms = 0
+            elif fresh:
+                sched.false_alarms += 1
+                holdoff = self.cfg.link_min_probe_gap * self.cfg.link_settle_growth ** min(sched.false_alarms, 64)
+                sched.alarm_quiet_until = now + min(holdoff, holdoff_max)
             self._settle(sched, probe)
             if seen is not None and not fresh:
                 sched.change_at = seen               # still due: the next probe answers it
+            else:
+                sched.probe_level = x                # ran wholly before or after any change seen
             return
+        dev = x - ewma.mean
+        off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
         ewma.add(x, a)
-        if off and sched.change_at is None:
-            sched.change_at, sched.change_sign = now, sign
+        if off and sched.change_at is None and now >= sched.alarm_quiet_until:
+            sched.change_at, sched.change_sign = now, (dev > 0) - (dev < 0)
 
     def probe_failed(self, peer: str, kind: str, now: float) -> None:
         """The probe errored or hit its deadline (peer down, stream reset): back off."""
