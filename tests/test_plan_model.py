@@ -100,6 +100,31 @@ def test_ad_psgd_shares_a_slow_passive_by_the_time_each_active_holds_it():
     assert rel(got, M / c) < 1e-3
 
 
+def test_a_flow_in_flight_shares_a_capacity_with_the_others_expected_count():
+    """cap / (1 + load - min(1, w)): whole counts split evenly, a flow that is in flight part of
+    the time still takes its whole share while it is."""
+    n, c = 3, 1e6
+    base = Network.uniform(n, FAST)
+    net = Network(base.bandwidth, base.latency, (Shared("up", c, frozenset({(0, 1), (0, 2)})),))
+    assert net.rates({(0, 1): 1.0, (0, 2): 1.0}) == {(0, 1): c / 2, (0, 2): c / 2}
+    assert net.rates({(0, 1): 0.5, (0, 2): 0.5}) == {(0, 1): c / 1.5, (0, 2): c / 1.5}
+    assert net.rates({(0, 1): 0.3}) == {(0, 1): c}
+    assert net.rates({(0, 1): 2.0, (0, 2): 1.0})[(0, 2)] == c / 3
+
+
+def test_netmax_shares_a_slow_host_by_the_time_each_puller_holds_it():
+    """Ring of 4, uniform peer choice (netmax-uniform): hosts 0 and 2 pull host 1 or host 3 with
+    probability 1/2; host 1's uplink carries c bytes/s, the rest is free, compute is 0. Pulling
+    host 3 takes no time, so 0 and 2 hold host 1's uplink all the time and share it: R = M/(c/2),
+    T = R/2 = M/c for each, 0 for hosts 1 and 3 (their neighbours are free), mean M/(2c). Flows
+    weighted per iteration (1/2 each) made it M/(4c)."""
+    n, M, c = 4, 1e6, 1e6
+    base = Network.uniform(n, FAST)
+    net = Network(base.bandwidth, base.latency, (Shared("h1 up", c, frozenset({(1, 0), (1, 2)})),))
+    got = predict_one(net, Compute.of(n, 0.0), M, "netmax-uniform", "ring", Options())
+    assert rel(got, M / (2 * c)) < 1e-3
+
+
 def test_pure_latency():
     n, L = 8, 0.01
     net = Network.uniform(n, FAST, L)
