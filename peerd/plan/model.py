@@ -98,9 +98,8 @@ time is its own):
   -3 %. NetMax's flows are weighted the same way, w_im = P_im R_im / T_i (P held at the policy's
   probabilities): on the star, its 10 Mbit hosts pull from 10 Mbit hosts whose uplinks a faster
   host's pulls hold most of the time. With one weight per pull and the in-flight share rule above
-  (before: per-iteration weights, then cap_g / max(1, flows_g)) the three seeds of NetMax there
-  went from -30/-34/-43 % to +4/+10/-10 %, and AD-PSGD's from -3/-36/-9 % to +15/-25/+8 %
-  (docs/bench/full-matrix).
+  (before: per-iteration weights, then cap_g / max(1, flows_g)), three fresh NetMax runs there
+  are -18/-24/+6 % (-50/-53/-35 % before) and AD-PSGD's +20/+11/+3 % (docs/bench/full-matrix).
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
 than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
@@ -459,6 +458,18 @@ def _pull_times(net: Network, nbytes: float, flows: dict[tuple[int, int], float]
     return R
 
 
+def _time_shares(busy: dict, shares: Any, rounds: int) -> None:
+    """Iterate the flows' time shares to their fixed point with the rates they imply: `shares(busy)`
+    returns the new shares (and updates the caller's times). Damped: a shared link may oscillate."""
+    for _ in range(rounds):
+        new = shares(busy)
+        moved = max(abs(new[k] - busy[k]) for k in busy)
+        for k in busy:
+            busy[k] = 0.5 * busy[k] + 0.5 * new[k]
+        if moved < 1e-4:
+            break
+
+
 def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
                      overlap: bool = True, kind: str = "opt", rounds: int = 50) -> float:
     adj = topo.adjacency()
@@ -475,17 +486,16 @@ def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
     # Then the flows by time, as for AD-PSGD: i's pull from m is in flight a share
     # w_im = P_im R_im / T_i of i's time, so a fast host that pulls a slow one half the time holds
     # that host's uplink most of the time, and every other pull through it gets a share.
-    busy = {(m, i): 1.0 / max(1, adj[i].sum()) for (m, i) in pairs}
-    for _ in range(rounds):
+    T = np.zeros(n)
+
+    def shares(busy: dict) -> dict:
         R = _pull_times(net, nbytes, busy)
         for (m, i) in pairs:
             t[i, m] = (comp.mean[i] + R[i, m]) if not overlap else expected_max_const(comp.mean[i], comp.std[i], R[i, m])
-        T = np.array([sum(P[i, m] * t[i, m] for m in range(n) if adj[i, m]) for i in range(n)]) + over
-        new = {(m, i): min(1.0, P[i, m] * R[i, m] / T[i]) for (m, i) in pairs}
-        moved = max(abs(new[k] - busy[k]) for k in busy)
-        busy = {k: 0.5 * busy[k] + 0.5 * new[k] for k in busy}   # damped: a shared link may oscillate
-        if moved < 1e-4:
-            break
+        T[:] = [sum(P[i, m] * t[i, m] for m in range(n) if adj[i, m]) + over[i] for i in range(n)]
+        return {(m, i): min(1.0, P[i, m] * R[i, m] / T[i]) for (m, i) in pairs}
+
+    _time_shares({(m, i): 1.0 / max(1, adj[i].sum()) for (m, i) in pairs}, shares, rounds)
     return float(np.mean(T))
 
 
@@ -500,8 +510,8 @@ def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
     T = comp.mean.copy()                       # passive workers never wait
     # busy[i, j]: share of active i's time its pull from j is in flight (both directions carry it);
     # start from the per-iteration share, then iterate to the time share (see the module docstring)
-    busy = {(i, j): 1.0 / len(partners[i]) for i in act for j in partners[i]}
-    for _ in range(rounds):
+
+    def shares(busy: dict) -> dict:
         flows: dict[tuple[int, int], float] = {}
         for (i, j), w in busy.items():
             flows[(i, j)] = flows.get((i, j), 0.0) + w
@@ -512,11 +522,9 @@ def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
         for i in act:
             T[i] = float(np.mean([comp.mean[i] + R[(i, j)] if not overlap else
                                   expected_max_const(comp.mean[i], comp.std[i], R[(i, j)]) for j in partners[i]]))
-        new = {(i, j): min(1.0, R[(i, j)] / len(partners[i]) / (T[i] + over[i])) for (i, j) in busy}
-        moved = max(abs(new[k] - busy[k]) for k in busy)
-        busy = {k: 0.5 * busy[k] + 0.5 * new[k] for k in busy}   # damped: a shared link may oscillate
-        if moved < 1e-4:
-            break
+        return {(i, j): min(1.0, R[(i, j)] / len(partners[i]) / (T[i] + over[i])) for (i, j) in busy}
+
+    _time_shares({(i, j): 1.0 / len(partners[i]) for i in act for j in partners[i]}, shares, rounds)
     return float(np.mean(T + over))
 
 
