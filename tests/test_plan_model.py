@@ -89,15 +89,36 @@ def test_pure_bandwidth():
 def test_ad_psgd_shares_a_slow_passive_by_the_time_each_active_holds_it():
     """Ring of 4: actives 0 and 2 each pick passive 1 or 3 with probability 1/2. Host 3 is free
     (its pulls take no time); host 1's access link carries c bytes/s each way. Each active then
-    spends all its time pulling host 1, so the two share its link all the time: R = 2M/(c/2),
-    T_active = R/2 = 2M/c and the mean over the 4 hosts is M/c. Weighting the flows by iteration
-    (1/2 each) gave M/(2c): on the lab's star it predicted -30 % where it now predicts -3 %."""
+    spends all its time pulling host 1: half of it carrying its model in (h1 down), half taking
+    the reply out (h1 up). So each direction has an expected 1/2 of the other active's pull in
+    flight: leg = M/(c/1.5), R = 3M/c, T_active = R/2 = 1.5M/c, and the mean over the 4 hosts is
+    0.75 M/c (the two actives in step would give M/c, in opposite legs 0.5 M/c). Weighting the
+    flows by iteration (1/2 each) gave M/(2c); both legs in flight for the whole pull gave M/c."""
     n, M, c = 4, 1e6, 1e6
     net = Network.uniform(n, FAST)
     shared = (Shared("h1 up", c, frozenset({(1, 0), (1, 2)})), Shared("h1 down", c, frozenset({(0, 1), (2, 1)})))
     net = Network(net.bandwidth, net.latency, shared)
     got = predict_one(net, Compute.of(n, 0.0), M, "ad-psgd", "ring", Options())
-    assert rel(got, M / c) < 1e-3
+    assert rel(got, 0.75 * M / c) < 1e-3
+
+
+def test_a_workers_own_pulls_never_share_its_link():
+    """An asynchronous worker has one pull in flight at a time, so its pulls from two neighbours
+    over its own access link never share it. Ring of 4, host 0's downlink c bytes/s, the rest
+    free: netmax-uniform's host 0 takes M/c per pull, the others nothing, mean M/(4c); AD-PSGD's
+    active 0 carries its model out over its uplink at c, mean M/(4c). Counting the worker's
+    other pull as a competitor (expected 1/2 in flight) gave 1.5x that."""
+    n, M, c = 4, 1e6, 1e6
+    base = Network.uniform(n, FAST)
+    down = Network(base.bandwidth, base.latency, (Shared("h0 down", c, frozenset({(1, 0), (3, 0)})),))
+    up = Network(base.bandwidth, base.latency, (Shared("h0 up", c, frozenset({(0, 1), (0, 3)})),))
+    comp = Compute.of(n, 0.0)
+    assert rel(predict_one(down, comp, M, "netmax-uniform", "ring", Options()), M / (4 * c)) < 1e-3
+    assert rel(predict_one(up, comp, M, "ad-psgd", "ring", Options()), M / (4 * c)) < 1e-3
+    # The rule itself: flows of one owner are never in flight together; another owner's are.
+    owners = {(1, 0): 0, (3, 0): 0}
+    assert down.rates({(1, 0): 0.5, (3, 0): 0.5}, owners) == {(1, 0): c, (3, 0): c}
+    assert down.rates({(1, 0): 0.5, (3, 0): 0.5}, {(1, 0): 0, (3, 0): 2}) == {(1, 0): c / 1.5, (3, 0): c / 1.5}
 
 
 def test_a_flow_in_flight_shares_a_capacity_with_the_others_expected_count():

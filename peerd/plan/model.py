@@ -22,8 +22,11 @@ Definitions
   where flows_g counts the transfers the algorithm has in flight on g at once and w_ji (at most 1)
   is this transfer's own count: while it is in flight it shares g with the others' expected count
   (for synchronous algorithms every transfer of a step is in flight, w = 1: cap_g / flows_g; for
-  the asynchronous ones w is the share of time a pull is in flight, see below). Equal share, not
-  max-min fairness: ours, simple and conservative.
+  the asynchronous ones w is the share of time a pull is in flight, see below). An asynchronous
+  worker has one pull in flight at a time, so its own other pulls are not among the others: for
+  them w_ji is replaced by the worker's whole count on g (a 10 Mbit host pulling two neighbours
+  over its own downlink gets all of it). Equal share, not max-min fairness: ours, simple and
+  conservative.
   Rates are TCP payload bytes/s: a profile's link rates count whole frames, and
   peerd.plan.sources takes 1448/1514 of them (measured links already are payload).
 
@@ -83,23 +86,29 @@ Asynchronous closed forms (ours; NetMax and AD-PSGD define no barrier, so a work
 time is its own):
 - NetMax [NetMax §"probabilities minimise total time", papers.md 3.2]: t_im = E[max(C_i, R_im)]
   with R_im = lat_im + lat_mi + M / r_mi the pull's round trip (C_i + R_im without overlap);
-  P = the policy's own probabilities (peerd.sync.netmax.probabilities on t, same solver and
-  consensus weight as the daemon); T_i = sum_m P_im t_im + O_i; T = mean_i T_i.
+  P = the policy's own probabilities (peerd.sync.netmax.probabilities, same solver and consensus
+  weight as the daemon) on what the daemon feeds it, the link matrix's times max(mean C_i,
+  lat_im + lat_mi + M / bw_mi) of each pull alone on the network (peerd.net.links.pull_times);
+  T_i = sum_m P_im t_im + O_i; T = mean_i T_i.
   E[max(X, c)] for X ~ N(mu, s): c + (mu - c) Phi(z) + s phi(z), z = (mu - c)/s.
 - AD-PSGD [papers.md 5.2, peerd.sync.baselines]: an active worker pulls a uniform passive
-  neighbour carrying its model: R_ij = lat_ij + M/r_ij + M/r_ji + lat_ji; T_i = mean_j E[max(C_i,
-  R_ij)] + O_i; a passive worker never waits: T_j = E[C_j] + O_j; T = mean_i T_i. The flows that
-  share a link are weighted by time, not by iteration (ours): an active i has its pull from j in
-  flight a share w_ij = R_ij / (|partners_i| T_i) of its time, so a fast active that picks a slow
-  passive half the time still holds that passive's link most of the time, and every other pull
-  through it gets a share. w starts at 1/|partners_i| and is iterated (damped) to its fixed point
-  with the rates. On the lab's star (two 1 Gbit / 100 Mbit actives pulling the same 10 Mbit
-  passive), per-iteration weights predicted -16 % and -30 % for two seeds; time weights +16 % and
-  -3 %. NetMax's flows are weighted the same way, w_im = P_im R_im / T_i (P held at the policy's
-  probabilities): on the star, its 10 Mbit hosts pull from 10 Mbit hosts whose uplinks a faster
-  host's pulls hold most of the time. With one weight per pull and the in-flight share rule above
-  (before: per-iteration weights, then cap_g / max(1, flows_g)), three fresh NetMax runs there
-  are -18/-24/+6 % (-50/-53/-35 % before) and AD-PSGD's +20/+11/+3 % (docs/bench/full-matrix).
+  neighbour carrying its model, then takes the reply: R_ij = (lat_ij + M/r_ij) + (M/r_ji + lat_ji);
+  T_i = mean_j E[max(C_i, R_ij)] + O_i; a passive worker never waits: T_j = E[C_j] + O_j;
+  T = mean_i T_i. The flows that share a link are weighted by time, not by iteration (ours): the
+  carry i -> j is in flight a share w = (lat_ij + M/r_ij) / (|partners_i| T_i) of i's time, the
+  reply likewise with its own leg, so a fast active that picks a slow passive half the time
+  still holds that passive's link most of the time, and every other pull through it gets a
+  share. w starts at 1/(2|partners_i|) and is iterated (damped) to its fixed point with the rates.
+  NetMax's flows are weighted the same way, w_im = P_im R_im / T_i (P held at the policy's
+  probabilities): on the lab's star its 10 Mbit hosts pull from 10 Mbit hosts whose uplinks a
+  faster host's pulls hold most of the time. Measured there with a swarm-wide budget (long
+  windows: 18-19 iterations of AD-PSGD's 10 Mbit active, 51-59 of NetMax's 10 Mbit hosts;
+  docs/bench/full-matrix): AD-PSGD -1/+3/-1 % (its 10 Mbit active 2.69 s predicted, 2.24-2.46 s
+  measured; +28/+33/+29 % when a worker's own pulls shared its link and both legs counted for
+  the whole pull). NetMax +10/+33/+14 %: its 10 Mbit hosts 1.35 s predicted, 1.08-1.37 s
+  measured; the miss is the daemon's P, not the rates: on the fast hosts' traces the share of
+  pulls to the 10 Mbit neighbour swings between ~0 and ~1 in stretches (28-60 % over a run),
+  where the solve on the link matrix gives 50 %.
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
 than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
@@ -179,18 +188,29 @@ class Network:
     def uniform(cls, n: int, bandwidth: float, latency: float = 0.0) -> "Network":
         return cls(np.full((n, n), float(bandwidth)), np.full((n, n), float(latency)))
 
-    def rates(self, flows: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    def rates(self, flows: dict[tuple[int, int], float],
+              owners: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], float]:
         """Rate of each flow (src, dst) -> weight (expected number in flight), equal share of each
         shared capacity it crosses. A flow is seen while it is in flight, so it shares g with
         itself and the others' expected count: cap_g / (1 + load_g - min(1, w_f)). Whole counts
-        (w >= 1: flows that are always in flight) give cap_g / load_g."""
+        (w >= 1: flows that are always in flight) give cap_g / load_g. `owners` names the worker
+        that starts each flow, for asynchronous workers that have one transfer in flight at a
+        time: while f is in flight its owner's other flows are not, so f shares g with the other
+        owners' count only, cap_g / (1 + load_g - min(1, own_g))."""
         load = {g.name: sum(w for f, w in flows.items() if f in g.pairs) for g in self.shared}
+        own: dict[tuple[str, int], float] = {}
+        if owners is not None:
+            for f, w in flows.items():
+                for g in self.shared:
+                    if f in g.pairs:
+                        own[g.name, owners[f]] = own.get((g.name, owners[f]), 0.0) + w
         out = {}
         for f, w in flows.items():
             r = float(self.bandwidth[f])
             for g in self.shared:
                 if f in g.pairs:
-                    r = min(r, g.capacity / (1.0 + load[g.name] - min(1.0, w)))
+                    mine = w if owners is None else own[g.name, owners[f]]
+                    r = min(r, g.capacity / (1.0 + load[g.name] - min(1.0, mine)))
             out[f] = r
         return out
 
@@ -450,7 +470,7 @@ def maxplus_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology
 
 def _pull_times(net: Network, nbytes: float, flows: dict[tuple[int, int], float]) -> np.ndarray:
     """R[i, m]: i asks m (latency), m's model comes back at the shared rate, over every (m, i) flow."""
-    r = net.rates(flows)
+    r = net.rates(flows, owners={f: f[1] for f in flows})   # a worker pulls one peer at a time
     n = net.n
     R = np.full((n, n), np.inf)
     for (m, i), rate in r.items():
@@ -472,15 +492,21 @@ def _time_shares(busy: dict, shares: Any, rounds: int) -> None:
 
 def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
                      overlap: bool = True, kind: str = "opt", rounds: int = 50) -> float:
+    return float(np.mean(netmax_host_times(net, comp, nbytes, topo, opts, overlap, kind, rounds)[0]))
+
+
+def netmax_host_times(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
+                      overlap: bool = True, kind: str = "opt", rounds: int = 50) -> tuple[np.ndarray, np.ndarray]:
+    """(T_i per host, P): NetMax's per-host iteration times and the probabilities they use."""
     adj = topo.adjacency()
     n = topo.n
     pairs = [(m, i) for i in range(n) for m in range(n) if adj[i, m]]
-    # Rates depend on P and P on rates: shares under uniform P, then P from those times (one pass;
-    # the solver is the costly part).
-    R = _pull_times(net, nbytes, {(m, i): 1.0 / max(1, adj[i].sum()) for (m, i) in pairs})
+    # P from what the daemon feeds the policy (peerd.net.links.LinkTable.pull_times): each pull's
+    # time alone on the network, max(compute, RTT + M / bandwidth), not the shared times below.
+    R = _pull_times(net, nbytes, {(m, i): 0.0 for (m, i) in pairs})
     t = np.full((n, n), np.inf)
     for (m, i) in pairs:
-        t[i, m] = (comp.mean[i] + R[i, m]) if not overlap else expected_max_const(comp.mean[i], comp.std[i], R[i, m])
+        t[i, m] = (comp.mean[i] + R[i, m]) if not overlap else max(comp.mean[i], R[i, m])
     P = nm.probabilities(np.where(adj, t, 0.0), adj, kind, opts.netmax_consensus)
     over = opts.overheads(n)
     # Then the flows by time, as for AD-PSGD: i's pull from m is in flight a share
@@ -496,11 +522,17 @@ def netmax_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
         return {(m, i): min(1.0, P[i, m] * R[i, m] / T[i]) for (m, i) in pairs}
 
     _time_shares({(m, i): 1.0 / max(1, adj[i].sum()) for (m, i) in pairs}, shares, rounds)
-    return float(np.mean(T))
+    return T, P
 
 
 def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
                      overlap: bool = True, rounds: int = 50) -> float:
+    return float(np.mean(adpsgd_host_times(net, comp, nbytes, topo, opts, overlap, rounds)))
+
+
+def adpsgd_host_times(net: Network, comp: Compute, nbytes: float, topo: Topology, opts: Options,
+                      overlap: bool = True, rounds: int = 50) -> np.ndarray:
+    """AD-PSGD's per-host iteration times (actives: even ranks)."""
     n = topo.n
     act = [i for i in range(n) if i % 2 == 0]
     partners = {i: [j for j in topo.out_neighbors(i) if j % 2 == 1] for i in act}
@@ -508,24 +540,22 @@ def adpsgd_iteration(net: Network, comp: Compute, nbytes: float, topo: Topology,
         raise ValueError("topology: AD-PSGD needs a passive (odd) neighbour for every active worker")
     over = opts.overheads(n)
     T = comp.mean.copy()                       # passive workers never wait
-    # busy[i, j]: share of active i's time its pull from j is in flight (both directions carry it);
-    # start from the per-iteration share, then iterate to the time share (see the module docstring)
+    # busy[f]: share of active i's time the flow f of its pull from j is in flight: the carry
+    # i -> j, then the reply j -> i (one after the other); both are i's, which pulls one passive at
+    # a time. Start from the per-iteration share, then iterate to the time share (module docstring).
+    owners = {f: i for i in act for j in partners[i] for f in ((i, j), (j, i))}
 
     def shares(busy: dict) -> dict:
-        flows: dict[tuple[int, int], float] = {}
-        for (i, j), w in busy.items():
-            flows[(i, j)] = flows.get((i, j), 0.0) + w
-            flows[(j, i)] = flows.get((j, i), 0.0) + w
-        r = net.rates(flows)
-        R = {(i, j): net.latency[i, j] + nbytes / r[(i, j)] + nbytes / r[(j, i)] + net.latency[j, i]
-             for (i, j) in busy}
+        r = net.rates(busy, owners)
+        leg = {f: net.latency[f] + nbytes / r[f] for f in busy}
+        R = {(i, j): leg[(i, j)] + leg[(j, i)] for i in act for j in partners[i]}
         for i in act:
             T[i] = float(np.mean([comp.mean[i] + R[(i, j)] if not overlap else
                                   expected_max_const(comp.mean[i], comp.std[i], R[(i, j)]) for j in partners[i]]))
-        return {(i, j): min(1.0, R[(i, j)] / len(partners[i]) / (T[i] + over[i])) for (i, j) in busy}
+        return {f: min(1.0, leg[f] / len(partners[owners[f]]) / (T[owners[f]] + over[owners[f]])) for f in busy}
 
-    _time_shares({(i, j): 1.0 / len(partners[i]) for i in act for j in partners[i]}, shares, rounds)
-    return float(np.mean(T + over))
+    _time_shares({f: 0.5 / len(partners[i]) for f, i in owners.items()}, shares, rounds)
+    return T + over
 
 
 # ---- simulated -------------------------------------------------------------------------------
