@@ -84,6 +84,17 @@ def test_report_matrix_gives_each_scenario_and_contender_its_median_and_speedup_
     assert "| mixed-links | 100.0s | missed |" in out
 
 
+def test_report_names_the_runs_made_with_other_settings_than_the_directorys():
+    from peerd.bench.report import other_settings
+
+    st = {"iterations": 100, "async_budget": "host"}
+    recs = [{"scenario": "mixed-links", "contender": "ddp", "iterations": 100, "budget": "host"},
+            {"scenario": "mixed-links", "contender": "netmax", "iterations": 300, "budget": "swarm"},
+            {"scenario": "mixed-links", "contender": "netmax", "iterations": 300, "budget": "swarm"}]
+    assert other_settings(recs[:1], st) == ""
+    assert other_settings(recs, st) == "Runs with other settings: mixed-links / netmax: 300 iterations, the swarm's budget."
+
+
 @pytest.mark.lab
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # ~1.5 min on an idle 2-core machine; 5.5 min seen at load 18

@@ -285,6 +285,18 @@ def _link_heatmap(sc_dir: Path, plt) -> Path | None:
     return out
 
 
+def other_settings(records: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+    """A merged run directory's runs made with other iterations or budget than its settings."""
+    other = sorted({(r["scenario"], r["contender"], r["iterations"], r.get("budget", "host")) for r in records
+                    if r["iterations"] != settings["iterations"]
+                    or r.get("budget", "host") != settings.get("async_budget", "host")})
+    if not other:
+        return ""
+    return "Runs with other settings: " + "; ".join(
+        f"{sc} / {c}: {its} iterations, {'the swarm' if b == 'swarm' else 'each host'}'s budget"
+        for sc, c, its, b in other) + "."
+
+
 def write(run_dir: Path) -> Path:
     """report.md with the table and every plot; returns its path."""
     meta, records = load(run_dir)
@@ -298,6 +310,9 @@ def write(run_dir: Path) -> Path:
             f"target accuracy {st['target']:.0%}, {meta['seeds']} seed(s).", ""]
     for sc in meta["scenarios"]:
         body.append(f"- **{sc}**: {meta['descriptions'].get(sc, '')}")
+    other = other_settings(records, st)
+    if other:
+        body += ["", other]
     body += ["", "Median time to the target and speedup over DDP:", "", matrix(records),
              "Per contender (medians over seeds):", "", table(records)]
     if steps:
