@@ -383,7 +383,12 @@ def test_receiver_caps_concurrent_pushes_per_peer():
             slow = asyncio.ensure_future(raw_push(a.channel(b), frames[:2], pause=0.5))
             await asyncio.sleep(0.2)
             code, details = await raw_push(a.channel(b), frames)
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("too_many_rpcs")
+            # refused at once, while the sender still writes: its status can be lost (grpc/grpc#36066,
+            # seen once in CI); the receiver's own count names the reason
+            cut_short = code == grpc.StatusCode.INTERNAL and details.startswith(CUT_SHORT_DETAILS)
+            assert (code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("too_many_rpcs")) or cut_short, \
+                (code, details)
+            assert b.dp.rejected["too_many_rpcs"] == 1
             assert (await slow)[0] == grpc.StatusCode.DATA_LOSS     # it then ended short
             assert (await raw_push(a.channel(b), frames))[0] == grpc.StatusCode.OK
             (await take(b)).release()
