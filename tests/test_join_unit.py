@@ -81,3 +81,46 @@ def test_world_is_ranked_by_site_then_node_id():
     assert form_world(daemon("n1", {n: "" for n in sites}), 6) == sorted(sites)
     assert form_world(daemon("n1", sites), 7) is None                 # too few peers alive
     assert form_world(daemon("n1", sites), 3) == ["n2", "n1", "n3"]  # the first peers by id, by site
+
+
+def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
+    """No run found: every founder forms the run, in the ranks the first founder by node id (a)
+    answers with DescribeRun: the two 10 Mbit hosts b and c, side by side by node id, apart. Its
+    answer does not move while founders ask, even when its links do; an older first founder (no
+    ranking in its answer) leaves site and node id order, which it uses too."""
+    import asyncio
+    import types
+
+    from peerd.config import Config
+    from peerd.node import joining
+    from peerd.v1 import peer_pb2 as pb
+
+    access = {"a": 1e9, "b": 1e7, "c": 1e7, "d": 1e9}
+    links = [{"measurer": u, "target": v, "capacity_bytes_s": min(access[u], access[v]) / 8}
+             for u in access for v in access if u != v]
+
+    def daemon(me: str, cfg: Config):
+        others = {n: types.SimpleNamespace(capabilities={}) for n in access if n != me}
+        return types.SimpleNamespace(node_id=me, caps={}, cfg=cfg, rankings={}, training=None,
+                                     membership=types.SimpleNamespace(alive=lambda: sorted(others), get=others.get),
+                                     link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": list(links)}))
+    hosts = {n: daemon(n, Config()) for n in access}
+
+    async def describe(asker, node, founders=None):      # DescribeRun, answered in-process
+        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or []))
+    monkeypatch.setattr(joining, "describe", describe)
+    spec = dataclasses.replace(SPEC, max_world=6)
+    spread = ["b", "d", "c", "a", "", ""]                 # slowest first, then fast, slow, fast
+    for me in "abcd":
+        assert asyncio.run(joining.place(hosts[me], spec)) == (spread, "")
+    links[:] = [dict(e, capacity_bytes_s=1e8) for e in links]   # a's links now read uniform
+    assert asyncio.run(joining.place(hosts["c"], spec)) == (spread, "")
+
+    hosts["a"] = daemon("a", Config().replace(train_spread_slow_hosts=False))
+    for me in "abcd":
+        assert asyncio.run(joining.place(hosts[me], spec)) == (["a", "b", "c", "d", "", ""], "")
+
+    async def older(asker, node, founders=None):
+        return pb.RunInfo(active=False, iteration=-1)
+    monkeypatch.setattr(joining, "describe", older)
+    assert asyncio.run(joining.place(hosts["d"], spec)) == (["a", "b", "c", "d", "", ""], "")

@@ -68,3 +68,37 @@ def test_bad_inputs_name_the_field():
         T.from_links(np.array([[0, 1], [0, 0]]), "mh")
     with pytest.raises(ValueError, match="topology"):
         T.make("star", 4)
+
+
+def test_slow_access_hosts_are_spread_apart_on_the_ring():
+    """mixed-links' star: access 10/10/100/100/1000/1000 Mbit in node-id order puts the two 10 Mbit
+    hosts side by side; spread, every ring edge has at most one 10 Mbit end."""
+    from peerd.sync.topology import spread_slow_hosts
+
+    order = ["a", "b", "c", "d", "e", "f"]
+    access = dict(zip(order, [10e6, 10e6, 100e6, 100e6, 1000e6, 1000e6]))
+    ranked = spread_slow_hosts(order, access)
+    assert ranked == ["a", "f", "b", "e", "c", "d"]
+    ring_edges = [(ranked[i], ranked[(i + 1) % 6]) for i in range(6)]
+    assert not any(access[u] == access[v] == 10e6 for u, v in ring_edges)
+    # Within 2x of the fastest is "fast": measurement noise on a uniform LAN keeps the order.
+    assert spread_slow_hosts(order, {h: 1000e6 - 90e6 * i for i, h in enumerate(order)}) == order
+    assert spread_slow_hosts(order, {}) == order                          # nothing measured
+    assert spread_slow_hosts(order, {"c": 1e6}) == order                  # one measured: no fastest to compare
+    # Two slow among three fast: slow, fast, slow, fast, fast.
+    assert spread_slow_hosts(["a", "b", "c", "d", "e"], {"a": 1e9, "b": 1e9, "c": 1e9, "d": 1e7, "e": 1e7}) \
+        == ["d", "c", "e", "b", "a"]
+    # Sites stay together; each site's hosts are spread within it.
+    site = dict(zip(order, "xxxyyy"))
+    access = dict(zip(order, [1e9, 1e7, 1e7, 1e9, 1e9, 1e9]))
+    assert spread_slow_hosts(order, access, site) == ["b", "a", "c", "d", "e", "f"]
+
+
+def test_access_rate_is_a_nodes_fastest_measured_link():
+    from peerd.plan.sources import access_rates
+
+    links = [{"measurer": "a", "target": "b", "capacity_bytes_s": 1.2e6},
+             {"measurer": "c", "target": "a", "capacity_bytes_s": 0, "throughput_bytes_s": 9e6},
+             {"measurer": "b", "target": "c", "capacity_bytes_s": 1.1e6},
+             {"measurer": "x", "target": "y", "capacity_bytes_s": 5e9}]
+    assert access_rates({"links": links}, ["a", "b", "c", "d"]) == {"a": 9e6, "b": 1.2e6, "c": 9e6}

@@ -79,6 +79,7 @@ class Daemon:
         self.link_matrix: LinkMatrix | None = None  # the swarm's link estimates, for the sync policies
         self.discovery = None                       # MdnsDiscovery while mDNS runs
         self.training = None                        # the TrainingRun of `peerd train`, when one is active
+        self.rankings: dict = {}                    # founders -> (ranks, last asked): see joining.ranking
         self.last_training_state: dict | None = None   # state() of the last run that ended
         self._early: list[Received] = []       # peers' updates that arrived before our run started
 

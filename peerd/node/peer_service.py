@@ -134,7 +134,7 @@ class PeerService:
     async def DescribeRun(self, request: pb.RunQuery, context) -> pb.RunInfo:
         await self._check_claim(context, request.sender, "DescribeRun")
         await self._check_run(context, request.run_id, "DescribeRun")
-        return joining.run_info(self.d)
+        return joining.run_info(self.d, request)
 
     async def JoinRun(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         await self._check_claim(context, request.sender, "JoinRun")

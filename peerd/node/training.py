@@ -1329,17 +1329,20 @@ def form_world(daemon: "Daemon", world: int) -> list[str] | None:
     """This node and the first world-1 alive peers by node id, in rank order: by site label, then
     node id (every host that sees the same swarm forms the same world; a ring over these ranks
     keeps each site's hosts together, crossing between two sites twice, not at random). None while
-    too few peers are alive."""
+    too few peers are alive. The first of them re-ranks them to keep slow access links apart on
+    the ring, for every founder (peerd.node.joining.ranking)."""
     alive = daemon.membership.alive()
     if len(alive) < world - 1:
         return None
+    return sorted([daemon.node_id, *sorted(alive)[:world - 1]], key=lambda n: (site_of(daemon, n), n))
 
-    def site(node: str) -> str:
-        if node == daemon.node_id:
-            return str(daemon.caps.get("site", ""))
-        member = daemon.membership.get(node)
-        return str(member.capabilities.get("site", "")) if member is not None else ""
-    return sorted([daemon.node_id, *sorted(alive)[:world - 1]], key=lambda n: (site(n), n))
+
+def site_of(daemon: "Daemon", node: str) -> str:
+    """A node's `--site` label as it advertised it ("" when none or unknown)."""
+    if node == daemon.node_id:
+        return str(daemon.caps.get("site", ""))
+    member = daemon.membership.get(node)
+    return str(member.capabilities.get("site", "")) if member is not None else ""
 
 
 async def serve_train(daemon: "Daemon", request: cpb.TrainRequest, context: grpc.aio.ServicerContext):

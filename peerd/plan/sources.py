@@ -115,6 +115,19 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
     return Network(bw, lat, (), infer_sites(bw, cfg.plan_site_ratio), tuple(nodes)), warnings
 
 
+def access_rates(matrix: Mapping[str, Any], nodes: list[str]) -> dict[str, float]:
+    """Each node's fastest measured link in either direction (bytes/s: capacity, else throughput),
+    the matrix's best guess at its access link; nodes without a measured link are left out."""
+    want = set(nodes)
+    out: dict[str, float] = {}
+    for d in matrix.get("links", []) or []:
+        rate = float(d.get("capacity_bytes_s", 0) or 0) or float(d.get("throughput_bytes_s", 0) or 0)
+        for node in {str(d.get("measurer", "")), str(d.get("target", ""))} & want:
+            if rate > out.get(node, 0.0):
+                out[node] = rate
+    return out
+
+
 def infer_sites(bw: np.ndarray, ratio: float) -> tuple[int, ...] | None:
     """Connected components of the links at least `ratio` x the fastest; None if only one."""
     n = bw.shape[0]

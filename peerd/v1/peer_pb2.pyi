@@ -290,26 +290,30 @@ class TrainerNoticeReply(_message.Message):
     def __init__(self, iteration: _Optional[int] = ...) -> None: ...
 
 class RunQuery(_message.Message):
-    __slots__ = ("sender", "run_id")
+    __slots__ = ("sender", "run_id", "founders")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUNDERS_FIELD_NUMBER: _ClassVar[int]
     sender: str
     run_id: str
-    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    founders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., founders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("active", "tag", "spec_json", "nodes", "iteration")
+    __slots__ = ("active", "tag", "spec_json", "nodes", "iteration", "ranking")
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKING_FIELD_NUMBER: _ClassVar[int]
     active: bool
     tag: str
     spec_json: str
     nodes: _containers.RepeatedScalarFieldContainer[str]
     iteration: int
-    def __init__(self, active: _Optional[bool] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., iteration: _Optional[int] = ...) -> None: ...
+    ranking: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, active: _Optional[bool] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., iteration: _Optional[int] = ..., ranking: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("sender", "run_id", "tag", "spec_json")
