@@ -379,14 +379,19 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
 @click.option("--async-budget", type=click.Choice(["host", "swarm"]), default=None,
               help="asynchronous contenders (netmax, ad-psgd): each host runs --iterations (host, the "
                    "default), or the hosts together run hosts x --iterations (swarm: `peerd train --budget`)")
+@click.option("--daemon-arg", "daemon_args", multiple=True,
+              help="extra flag for every lab daemon (repeat; e.g. --daemon-arg=--no-train-spread-slow-hosts "
+                   "for an ablation); recorded in the settings and in each record")
 def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds: int | None,
                   scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,
                   iterations: int | None, target: float | None, step_time: float | None,
-                  topology: str | None, non_iid: bool | None, async_budget: str | None) -> None:
+                  topology: str | None, non_iid: bool | None, async_budget: str | None,
+                  daemon_args: tuple[str, ...]) -> None:
     """Heterogeneity benchmarks in the lab (root): every scenario with every contender, All-Reduce
     DDP included; JSON lines per (scenario, contender, seed), a table, and `peerd report` plots.
     Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
     bench_swarm_timeout, lab_ready_timeout (raise it on a loaded machine)."""
+    import shlex
     import signal
     import time
     from pathlib import Path
@@ -396,7 +401,8 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
 
     st = sc.Settings.quick() if quick else sc.Settings()
     for key, value in dict(hosts=hosts, iterations=iterations, target=target, step_time=step_time,
-                           topology=topology, non_iid=non_iid, async_budget=async_budget).items():
+                           topology=topology, non_iid=non_iid, async_budget=async_budget,
+                           daemon_args=shlex.join(daemon_args) if daemon_args else None).items():
         if value is not None:
             setattr(st, key, value)
     names = list(scenario_names) or list(sc.SCENARIOS)
@@ -407,7 +413,8 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                f"({sc.model_bytes(st.task) / 1e6:.2f} MB per model), {st.iterations} iterations, "
                f"{st.step_time:g} s emulated compute per step, {st.topology} topology"
                f"{', non-iid shards' if st.non_iid else ''}"
-               f"{', swarm budget for asynchronous contenders' if st.async_budget == 'swarm' else ''}")
+               f"{', swarm budget for asynchronous contenders' if st.async_budget == 'swarm' else ''}"
+               f"{', daemons with ' + st.daemon_args if st.daemon_args else ''}")
     def interrupted(signum, frame) -> None:
         # SIGTERM unwinds like Ctrl+C (a background job ignores SIGINT): the running contender's
         # processes are killed and the lab taken down; a second signal must not cut that short.

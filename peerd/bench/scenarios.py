@@ -25,6 +25,7 @@ import collections
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -77,6 +78,7 @@ class Settings:
     non_iid: bool = False         # label-sorted shards: each host sees few classes, so mixing decides accuracy
     async_budget: str = "host"    # asynchronous contenders: each host's iterations, or the swarm's (--budget)
     hosts: int | None = None      # override every scenario's host count (tests)
+    daemon_args: str = ""         # extra `peerd up` flags for every lab daemon, space-separated (ablations)
 
     @classmethod
     def quick(cls) -> "Settings":
@@ -626,6 +628,7 @@ def summarize(sc: Scenario, contender: str, seed: int, st: Settings, hosts: list
         "scenario": sc.name, "contender": contender, "seed": seed, "profile": prof_name, "hosts": len(hosts),
         "task": st.task, "model_bytes": model_bytes(st.task), "iterations": st.iterations, "target": st.target,
         "budget": budget(contender, st), "topology": "ring" if contender == "ddp" else st.topology,  # DDP: gloo's ring
+        "daemon_args": st.daemon_args,
         "time_to_target_s": ttt, "reached_target": ttt is not None,
         "wall_s": max(v["duration_s"] for v in per_host.values()),
         "it_per_s": statistics.mean(v["it_per_s"] for v in per_host.values()),
@@ -750,7 +753,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         if lab_dir.exists():
             lab.down(lab_dir, cfg, purge=True)
         echo(f"== scenario {name}: {sc.description} (profile {sc.profile}, {hosts} hosts); starting the lab")
-        lab.up(prof, lab_dir, cfg, daemon_args=DAEMON_ARGS)
+        lab.up(prof, lab_dir, cfg, daemon_args=DAEMON_ARGS + tuple(shlex.split(st.daemon_args)))
         try:
             lb = lab.Lab(lab_dir)
             ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
