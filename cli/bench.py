@@ -380,7 +380,7 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
               help="asynchronous contenders (netmax, ad-psgd): each host runs --iterations (host, the "
                    "default), or the hosts together run hosts x --iterations (swarm: `peerd train --budget`)")
 @click.option("--daemon-arg", "daemon_args", multiple=True,
-              help="extra flag for every lab daemon (repeat; e.g. --daemon-arg=--no-train-rank-by-access "
+              help="extra flag for every lab daemon (repeat; e.g. --daemon-arg=--no-train-spread-slow-hosts "
                    "for an ablation); recorded in the settings and in each record")
 def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds: int | None,
                   scenario_names: tuple[str, ...], contender_names: tuple[str, ...], hosts: int | None,

@@ -336,10 +336,11 @@ class Config:
                                  "--max-world (0: the run's --world, no new host joins)")
     train_join_retry: float = _f(0.5, "seconds a host that wants to join a run waits before asking again "
                                       "(contested rank, a member not answering, the run not found yet)")
-    train_rank_by_access: bool = _f(True, "the run's first host ranks the hosts by access link (its link matrix): "
-                                          "hosts at half or less of their site's fastest go apart on the ring, "
-                                          "or side by side for a backup algorithm (hop-backup, hop-backup-skip); "
-                                          "README, ring order; off: site, then node id")
+    train_spread_slow_hosts: bool = _f(True, "the run's first host ranks the hosts so that those whose access "
+                                             "link is half or less of their site's fastest (by its link matrix) "
+                                             "are not ring neighbours where it can help it: two slow hosts side "
+                                             "by side slow a ring's every exchange (README, ring order); off: "
+                                             "site, then node id")
 
     @property
     def data_path(self) -> Path:

@@ -106,26 +106,21 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
                                      link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": list(links)}))
     hosts = {n: daemon(n, Config()) for n in access}
 
-    async def describe(asker, node, founders=None, algorithm=""):      # DescribeRun, answered in-process
-        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or [],
-                                                         algorithm=algorithm))
+    async def describe(asker, node, founders=None):      # DescribeRun, answered in-process
+        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or []))
     monkeypatch.setattr(joining, "describe", describe)
     spec = dataclasses.replace(SPEC, max_world=6)
     spread = ["b", "d", "c", "a", "", ""]                 # slowest first, then fast, slow, fast
     for me in "abcd":
         assert asyncio.run(joining.place(hosts[me], spec)) == (spread, "")
-    # A backup algorithm: the slow hosts side by side, slowest first (no fast host between two).
-    backup = dataclasses.replace(spec, algorithm="hop-backup-skip")
-    for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], backup)) == (["b", "c", "a", "d", "", ""], "")
     links[:] = [dict(e, capacity_bytes_s=1e8) for e in links]   # a's links now read uniform
-    assert asyncio.run(joining.place(hosts["c"], spec)) == (spread, "")   # its answer for this world is kept
+    assert asyncio.run(joining.place(hosts["c"], spec)) == (spread, "")
 
-    hosts["a"] = daemon("a", Config().replace(train_rank_by_access=False))
+    hosts["a"] = daemon("a", Config().replace(train_spread_slow_hosts=False))
     for me in "abcd":
         assert asyncio.run(joining.place(hosts[me], spec)) == (["a", "b", "c", "d", "", ""], "")
 
-    async def older(asker, node, founders=None, algorithm=""):
+    async def older(asker, node, founders=None):
         return pb.RunInfo(active=False, iteration=-1)
     monkeypatch.setattr(joining, "describe", older)
     assert asyncio.run(joining.place(hosts["d"], spec)) == (["a", "b", "c", "d", "", ""], "")

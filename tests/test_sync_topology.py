@@ -70,34 +70,28 @@ def test_bad_inputs_name_the_field():
         T.make("star", 4)
 
 
-def test_slow_access_hosts_go_apart_on_the_ring_or_together_for_backup_workers():
+def test_slow_access_hosts_are_spread_apart_on_the_ring():
     """mixed-links' star: access 10/10/100/100/1000/1000 Mbit in node-id order puts the two 10 Mbit
-    hosts side by side; apart, every ring edge has at most one 10 Mbit end; together (backup
-    workers), no host has two slower neighbours."""
-    from peerd.sync.topology import rank_by_access
+    hosts side by side; spread, every ring edge has at most one 10 Mbit end."""
+    from peerd.sync.topology import spread_slow_hosts
 
     order = ["a", "b", "c", "d", "e", "f"]
     access = dict(zip(order, [10e6, 10e6, 100e6, 100e6, 1000e6, 1000e6]))
-    ranked = rank_by_access(order, access)
+    ranked = spread_slow_hosts(order, access)
     assert ranked == ["a", "f", "b", "e", "c", "d"]
     ring_edges = [(ranked[i], ranked[(i + 1) % 6]) for i in range(6)]
     assert not any(access[u] == access[v] == 10e6 for u, v in ring_edges)
     # Within 2x of the fastest is "fast": measurement noise on a uniform LAN keeps the order.
-    assert rank_by_access(order, {h: 1000e6 - 90e6 * i for i, h in enumerate(order)}) == order
-    assert rank_by_access(order, {}) == order                          # nothing measured
-    assert rank_by_access(order, {"c": 1e6}) == order                  # one measured: no fastest to compare
+    assert spread_slow_hosts(order, {h: 1000e6 - 90e6 * i for i, h in enumerate(order)}) == order
+    assert spread_slow_hosts(order, {}) == order                          # nothing measured
+    assert spread_slow_hosts(order, {"c": 1e6}) == order                  # one measured: no fastest to compare
     # Two slow among three fast: slow, fast, slow, fast, fast.
-    assert rank_by_access(["a", "b", "c", "d", "e"], {"a": 1e9, "b": 1e9, "c": 1e9, "d": 1e7, "e": 1e7}) \
+    assert spread_slow_hosts(["a", "b", "c", "d", "e"], {"a": 1e9, "b": 1e9, "c": 1e9, "d": 1e7, "e": 1e7}) \
         == ["d", "c", "e", "b", "a"]
     # Sites stay together; each site's hosts are spread within it.
     site = dict(zip(order, "xxxyyy"))
     access = dict(zip(order, [1e9, 1e7, 1e7, 1e9, 1e9, 1e9]))
-    assert rank_by_access(order, access, site) == ["b", "a", "c", "d", "e", "f"]
-    # Together: slowest first, so the ring passes each class once.
-    access = dict(zip(order, [1e9, 1e7, 1e8, 1e9, 1e7, 1e8]))
-    together = rank_by_access(order, access, slow_apart=False)
-    assert together == ["b", "e", "c", "f", "a", "d"]
-    assert rank_by_access(order, {h: 1e9 for h in order}, slow_apart=False) == order
+    assert spread_slow_hosts(order, access, site) == ["b", "a", "c", "d", "e", "f"]
 
 
 def test_access_rate_is_a_nodes_fastest_measured_link():

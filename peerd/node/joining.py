@@ -1,7 +1,8 @@
 """Forming a run, and joining one under way (issue 8, item 2).
 
 A run has ranks 0..max_world-1. The `world` founders take ranks 0..world-1 (by site label, then node id,
-as `form_world` ranks them, then re-ranked by the first founder by access link: `ranking`); ranks world..max_world-1 are vacant until late joiners take them. Every
+as `form_world` ranks them, then re-ranked by the first founder to keep hosts of slow access apart:
+`ranking`); ranks world..max_world-1 are vacant until late joiners take them. Every
 policy is built for max_world workers and hears PeerDown for each vacant rank before anything else,
 so a vacancy is exactly a dead worker to it (never waited on; a ring re-links around it, NetMax and
 AAU solve on the live set). The run's tag is derived from the shared spec and the founders only, so
@@ -16,8 +17,8 @@ it never changes when hosts join.
   the first difference) until it finishes or `--join-timeout` passes, then fail naming it; so
   does one that does not answer (a loaded host: it may run this very run);
 - otherwise form a new run as before, in the ranks the first founder (rank 0 of `form_world`)
-  gives in its DescribeRun answer (`ranking`: by its link matrix, slow access links apart on
-  the ring, or side by side for a backup algorithm; the same answer to every asker); with `--algo auto`, only the first founder forms it and
+  gives in its DescribeRun answer (`ranking`: slow access links apart on the ring, by its link
+  matrix, the same answer to every asker); with `--algo auto`, only the first founder forms it and
   chooses, the others wait for its run and take its algorithm and topology (one plan per run).
   One host decides both because they read measurements, which differ a little between hosts.
 
@@ -108,10 +109,9 @@ MAX_FOUNDERS = 1024   # a DescribeRun asking to rank more is not ranked (a bound
 UNKNOWN = pb.RunInfo(active=False, iteration=-2)   # a peer that did not answer: it may run something
 
 
-async def describe(daemon: "Daemon", node: str, founders: list[str] | None = None, algorithm: str = "") -> pb.RunInfo:
-    """What `node` runs (and, when it is the first of `founders`, how it ranks them for
-    `algorithm`); UNKNOWN when it did not answer (a daemon without DescribeRun runs nothing that
-    could be joined)."""
+async def describe(daemon: "Daemon", node: str, founders: list[str] | None = None) -> pb.RunInfo:
+    """What `node` runs (and, when it is the first of `founders`, how it ranks them); UNKNOWN when
+    it did not answer (a daemon without DescribeRun runs nothing that could be joined)."""
     m = daemon.membership.get(node)
     if m is None:
         return UNKNOWN
@@ -119,8 +119,7 @@ async def describe(daemon: "Daemon", node: str, founders: list[str] | None = Non
     stub = daemon._channel(m.address).unary_unary(method, request_serializer=pb.RunQuery.SerializeToString,
                                                   response_deserializer=pb.RunInfo.FromString)
     try:
-        return await rpc(stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id, founders=founders or [],
-                                          algorithm=algorithm),
+        return await rpc(stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id, founders=founders or []),
                               metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout))
     except grpc.aio.AioRpcError as e:
         log.info("describe run: %s did not answer: %s", node, e.code().name)
@@ -134,7 +133,7 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
 
     alive = daemon.membership.alive()
     founders = form_world(daemon, spec.world)
-    infos = await asyncio.gather(*(describe(daemon, n, founders, spec.algorithm) for n in alive))
+    infos = await asyncio.gather(*(describe(daemon, n, founders) for n in alive))
     mine = shared_spec(spec)
     match: Found | None = None
     differ: dict[str, str] = {}
@@ -176,7 +175,7 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
         # tie (a uniform LAN is all ties): hosts that chose differently derive different tags.
         return None, f"--algo auto: waiting for {founders[0]}, the run's first host, to choose"
     if founders[0] == daemon.node_id:
-        founders = ranking(daemon, founders, spec.algorithm)
+        founders = ranking(daemon, founders)
     else:
         # The first founder's ranks (its link matrix, not ours: every founder must form the same
         # table); one that gives none (an older daemon) ranks by site and node id, as we then do.
@@ -186,12 +185,10 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
     return founders + [""] * (spec.max_world - spec.world), ""
 
 
-def ranking(daemon: "Daemon", founders: list[str], algorithm: str) -> list[str]:
-    """The ranks this host, as the first founder, gives `founders` for `algorithm`, by access link
-    (its link matrix): slow hosts apart on the ring, or side by side for a backup algorithm
-    (peerd.sync.topology.rank_by_access); as given when Config.train_rank_by_access is off or
-    nothing was measured. With --algo auto the hosts are ranked before the plan chooses, as for
-    an algorithm that waits for every neighbour.
+def ranking(daemon: "Daemon", founders: list[str]) -> list[str]:
+    """The ranks this host, as the first founder, gives `founders`: slow-access hosts spread apart
+    on the ring (peerd.sync.topology.spread_slow_hosts) by its link matrix; as given when
+    Config.train_spread_slow_hosts is off or nothing was measured.
 
     The same answer to every founder that asks (DescribeRun) while they form the run: the first
     answer for a founder set is kept until nobody asked for Config.train_join_timeout, so a link
@@ -200,23 +197,20 @@ def ranking(daemon: "Daemon", founders: list[str], algorithm: str) -> list[str]:
 
     from peerd.node.training import site_of
     from peerd.plan.sources import access_rates
-    from peerd.sync.registry import BACKUP
-    from peerd.sync.topology import rank_by_access
+    from peerd.sync.topology import spread_slow_hosts
 
     now = time.monotonic()
-    apart = algorithm not in BACKUP
-    key = (tuple(founders), apart)
+    key = tuple(founders)
     kept = daemon.rankings.get(key)
     if kept is not None and now - kept[1] <= daemon.cfg.train_join_timeout:
         daemon.rankings[key] = (kept[0], now)
         return list(kept[0])
     ranked = list(founders)
-    if daemon.cfg.train_rank_by_access and daemon.link_matrix is not None:
+    if daemon.cfg.train_spread_slow_hosts and daemon.link_matrix is not None:
         access = access_rates(daemon.link_matrix.to_dict(now), founders)
-        ranked = rank_by_access(founders, access, {n: site_of(daemon, n) for n in founders}, slow_apart=apart)
+        ranked = spread_slow_hosts(founders, access, {n: site_of(daemon, n) for n in founders})
         if ranked != founders:
-            log.info("ranked the run's hosts by access link, slow ones %s on the ring: %s (%s)",
-                     "apart" if apart else "side by side (a backup algorithm)", ranked,
+            log.info("ranked the run's hosts to keep slow access links apart on the ring: %s (%s)", ranked,
                      ", ".join(f"{n} {access.get(n, 0) * 8 / 1e6:.0f} Mbit/s" for n in ranked))
     for old in [k for k, (_, at) in daemon.rankings.items() if now - at > daemon.cfg.train_join_timeout]:
         del daemon.rankings[old]
@@ -257,7 +251,7 @@ def run_info(daemon: "Daemon", query: pb.RunQuery | None = None) -> pb.RunInfo:
     run = daemon.training
     founders = list(query.founders) if query is not None else []
     if founders and founders[0] == daemon.node_id and len(set(founders)) == len(founders) <= MAX_FOUNDERS:
-        rank = ranking(daemon, founders, query.algorithm)
+        rank = ranking(daemon, founders)
     else:
         rank = []
     if run is None:

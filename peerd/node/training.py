@@ -1329,8 +1329,8 @@ def form_world(daemon: "Daemon", world: int) -> list[str] | None:
     """This node and the first world-1 alive peers by node id, in rank order: by site label, then
     node id (every host that sees the same swarm forms the same world; a ring over these ranks
     keeps each site's hosts together, crossing between two sites twice, not at random). None while
-    too few peers are alive. The first of them re-ranks them by access link, for every founder
-    (peerd.node.joining.ranking)."""
+    too few peers are alive. The first of them re-ranks them to keep slow access links apart on
+    the ring, for every founder (peerd.node.joining.ranking)."""
     alive = daemon.membership.alive()
     if len(alive) < world - 1:
         return None

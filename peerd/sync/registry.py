@@ -26,9 +26,6 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "sgp": ("stochastic gradient push, directed one-peer exponential graph", {}),
 }
 
-# Each worker waits for all but `backup` of its in-neighbours (peerd.sync.topology.rank_by_access).
-BACKUP = frozenset(name for name, (_, opts) in ALGORITHMS.items() if opts.get("backup"))
-
 # No barrier: each worker runs at its own pace (what `peerd train --budget swarm` is for).
 ASYNCHRONOUS = frozenset({"netmax", "netmax-uniform", "netmax-inv", "netmax-invsqrt", "ad-psgd"})
 

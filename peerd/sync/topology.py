@@ -118,30 +118,22 @@ def ring(n: int, weighting: str = "uniform") -> Graph:
     return Graph(a, weighting)
 
 
-def rank_by_access(order: list[str], access: dict[str, float], site: dict[str, str] | None = None, *,
-                   slow_apart: bool = True) -> list[str]:
-    """`order` (ranks, each site's hosts together) re-ranked by access link, for a ring over the
-    ranks (ours). Two rules, for two kinds of waiting:
+def spread_slow_hosts(order: list[str], access: dict[str, float], site: dict[str, str] | None = None) -> list[str]:
+    """`order` (ranks, each site's hosts together) with the hosts of slow access spread out, so that
+    a ring over the ranks never joins two slow hosts where it can help it (ours).
 
-    - slow_apart (every in-neighbour waited for: D-PSGD, Hop, Hop with staleness, AAU): no two
-      slow hosts side by side where it can be helped. Two 10 Mbit ring neighbours send each other
-      their updates across two saturated access links at once: plain TCP took 2.62-2.81 s per
-      ring exchange with them adjacent against 1.82-1.86 s apart, the same bytes on the same links
-      (docs/bench/experiments/ring_order_tcp.py); D-PSGD in the lab 2.88 against 2.04-2.06 s.
-    - together (backup workers: each host waits for all but b in-neighbours): the slow hosts side
-      by side, so no fast host has two slow neighbours. Spread, a fast host between two slow ones
-      must wait for one of them; together, each fast host can leave its one slow neighbour to the
-      backup, and the edge the slow hosts share, the slowest, is the one they drop. Hop with a
-      backup and skipping on the lab's star: 1.46 s per iteration together, 2.14-2.21 s apart.
+    Why: on a star, two 10 Mbit hosts that are ring neighbours send each other their updates
+    across two saturated access links at once; plain TCP took 2.62-2.81 s per ring exchange with
+    them adjacent against 1.82-1.86 s with them apart, the same bytes on the same links
+    (docs/bench/experiments/ring_order_tcp.py). A rate model sees no difference between the two.
 
     `access[h]`: h's fastest measured link, either direction (bytes/s; absent or 0: unknown, taken
     as fast). Within each run of consecutive hosts of one site (`site`, default one site), a host's
     class is floor(log2(fastest / access)): hosts within 2x of the site's fastest are class 0.
-    All class 0: the order is kept as it is (noise never reshuffles a uniform LAN). Otherwise the
-    hosts go slowest class first (ties in the given order); slow_apart then interleaves the first
-    half with the rest reversed: slowest, fastest, second slowest, second fastest, ... Pure and
-    deterministic, but the inputs are one host's measurements: one host ranks a run
-    (peerd.node.joining.ranking)."""
+    All class 0: the order is kept as it is (noise never reshuffles a uniform LAN). Otherwise,
+    slowest class first (ties in the given order), the first half is interleaved with the rest
+    reversed: slowest, fastest, second slowest, second fastest, ... Pure and deterministic, but the
+    inputs are one host's measurements: one host orders a run (peerd.node.joining.place)."""
     site = site or {}
     out: list[str] = []
     start = 0
@@ -158,9 +150,6 @@ def rank_by_access(order: list[str], access: dict[str, float], site: dict[str, s
             out += block
             continue
         ranked = sorted(block, key=lambda h: -cls[h])          # stable: ties keep the given order
-        if not slow_apart:
-            out += ranked
-            continue
         half = (len(ranked) + 1) // 2
         slow, fast = ranked[:half], ranked[half:][::-1]
         for k, h in enumerate(slow):
