@@ -96,7 +96,8 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
         return float(d.get(field, 0) or 0) if d is not None else 0.0
 
     def rate_of(key: tuple[str, str]) -> float:
-        return val(key, "capacity_bytes_s") or val(key, "throughput_bytes_s")
+        d = ent.get(key)
+        return link_rate(d) if d is not None else 0.0
 
     for i, a in enumerate(nodes):
         for j, b in enumerate(nodes):
@@ -115,13 +116,18 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
     return Network(bw, lat, (), infer_sites(bw, cfg.plan_site_ratio), tuple(nodes)), warnings
 
 
+def link_rate(entry: Mapping[str, Any]) -> float:
+    """A link entry's rate (bytes/s): its trusted capacity, else its throughput; 0 when neither."""
+    return float(entry.get("capacity_bytes_s", 0) or 0) or float(entry.get("throughput_bytes_s", 0) or 0)
+
+
 def access_rates(matrix: Mapping[str, Any], nodes: list[str]) -> dict[str, float]:
     """Each node's fastest measured link in either direction (bytes/s: capacity, else throughput),
     the matrix's best guess at its access link; nodes without a measured link are left out."""
     want = set(nodes)
     out: dict[str, float] = {}
     for d in matrix.get("links", []) or []:
-        rate = float(d.get("capacity_bytes_s", 0) or 0) or float(d.get("throughput_bytes_s", 0) or 0)
+        rate = link_rate(d)
         for node in {str(d.get("measurer", "")), str(d.get("target", ""))} & want:
             if rate > out.get(node, 0.0):
                 out[node] = rate
