@@ -217,6 +217,11 @@ class Config:
     netmax_gamma: float = _f(0.5, "NetMax: consensus weight of the pulled model")
     netmax_resolve_frac: float = _f(0.2, "NetMax: relative change of a link estimate that triggers a re-solve")
     netmax_consensus: float = _f(0.3, "NetMax: weight of the consensus term in the time-to-converge model")
+    netmax_smoothing: float = _f(0.25, "NetMax: share by which a re-solve on new link estimates moves the held "
+                                        "peer probabilities (1 = take each solve; a solve that beats the held P "
+                                        "by more than netmax_switch_frac is taken at once)")
+    netmax_switch_frac: float = _f(0.5, "NetMax: a re-solve replaces the held peer probabilities outright when "
+                                         "they cost this much more (relative) under the new link estimates")
     netmax_gap_weight: bool = _f(True, "NetMax: a pulled model older than our own is mixed with weight "
                                        "gamma x (its iteration + 1) / (ours + 1), so a fast host is not "
                                        "dragged back by young models (ours, not the paper's)")

@@ -188,3 +188,47 @@ def test_estimates_work_is_the_solve_on_estimates_would_run_and_none_within_reso
     assert p.estimates_work(t * 2) is not None
     assert nm.NetMax(0, topo, probs="uniform").estimates_work(t) is None
 
+
+
+def _star_times(slow: set[int], n: int = 6) -> np.ndarray:
+    """The lab's mixed-links star as NetMax sees it on a ring: a pull over a slow host's link takes
+    0.92 s, any other the 0.1-s step."""
+    return np.array([[0.92 if (i in slow or m in slow) else 0.1 for m in range(n)] for i in range(n)])
+
+
+def test_estimate_noise_moves_the_held_probabilities_only_a_share_and_a_real_change_at_once():
+    n = 6
+    topo = T.ring(n)
+    adj = topo.adjacency()
+    base = _star_times({0, 5})
+    rng = np.random.default_rng(7)
+    noisy = [base * np.exp(rng.normal(0.0, 0.2, (n, n))) for _ in range(12)]
+    steady = nm.probabilities(np.where(adj, base, 0.0), adj)
+    swing = {}
+    for smoothing in (1.0, 0.25):
+        p = nm.NetMax(1, topo, smoothing=smoothing)
+        p.on_event(LinkEstimates(base), 0.0)
+        rows = []
+        for k, t in enumerate(noisy):
+            p.on_event(LinkEstimates(t), 10.0 * (k + 1))
+            rows.append(p.row()[0])
+        assert p.solves == 1 + len(noisy)                  # every feed moved a link past resolve_frac
+        swing[smoothing] = max(abs(r - steady[1, 0]) for r in rows)
+        np.testing.assert_allclose(p.row().sum(), 1.0)
+        assert (p.row()[~adj[1]] == 0).all()
+    assert swing[1.0] > 0.15                               # the raw solves swing on noise alone
+    assert swing[0.25] < swing[1.0] / 2
+    # The sites regroup (two sites on a complete graph): the held P now costs far more than the
+    # fresh solve, which replaces it at once.
+    full = T.complete(n)
+    sites = lambda site: np.where(site[:, None] == site[None, :], 0.1, 1.0)  # noqa: E731
+    before, after = sites(np.arange(n) // 3), sites(np.array([0, 1, 1, 0, 0, 1]))
+    p = nm.NetMax(0, full, smoothing=0.25)
+    p.on_event(LinkEstimates(before), 0.0)
+    held = p.P
+    p.on_event(LinkEstimates(after), 10.0)
+    fresh = nm.probabilities(after, full.adjacency())
+    assert nm.total_time(held, after, full.adjacency()) > 2 * nm.total_time(fresh, after, full.adjacency())
+    np.testing.assert_array_equal(p.P, fresh)
+    with pytest.raises(ValueError, match="smoothing"):
+        nm.NetMax(0, topo, smoothing=0.0)

@@ -54,7 +54,8 @@ def build(name: str, n: int, topo: Topology, *, seed: int = 0, **opts: Any) -> l
         keys = ("staleness",)
         return [AAU(i, topo, **{k: o[k] for k in keys if k in o}) for i in range(n)]
     if name.startswith("netmax"):
-        keys = ("probs", "gamma", "gap_weight", "resolve_frac", "consensus", "pull_backoff", "pull_backoff_first")
+        keys = ("probs", "gamma", "gap_weight", "resolve_frac", "consensus", "smoothing", "switch_frac",
+                "pull_backoff", "pull_backoff_first")
         return [NetMax(i, topo, seed=seed, **{k: o[k] for k in keys if k in o}) for i in range(n)]
     if name == "ad-psgd":
         return [ADPSGD(i, topo, seed=seed, **{k: o[k] for k in ("pull_backoff", "pull_backoff_first") if k in o}) for i in range(n)]
@@ -78,7 +79,8 @@ def options(cfg: Any, algorithm: str | None = None) -> dict[str, Any]:
         o["staleness"] = cfg.aau_staleness
     elif name.startswith("netmax"):
         o.update(gamma=cfg.netmax_gamma, gap_weight=cfg.netmax_gap_weight, resolve_frac=cfg.netmax_resolve_frac,
-                 consensus=cfg.netmax_consensus, pull_backoff=cfg.train_pull_backoff,
+                 consensus=cfg.netmax_consensus, smoothing=cfg.netmax_smoothing,
+                 switch_frac=cfg.netmax_switch_frac, pull_backoff=cfg.train_pull_backoff,
                  pull_backoff_first=cfg.train_pull_backoff_first)
     elif name == "ad-psgd":
         o.update(pull_backoff=cfg.train_pull_backoff, pull_backoff_first=cfg.train_pull_backoff_first)
