@@ -344,8 +344,8 @@ class Config:
     train_spread_slow_hosts: bool = _f(True, "the run's first host ranks the hosts so that those whose access "
                                              "link is half or less of their site's fastest (by its link matrix) "
                                              "are not ring neighbours where it can help it: two slow hosts side "
-                                             "by side slow a ring's every exchange (README, ring order); off: "
-                                             "site, then node id")
+                                             "by side slow a ring's every exchange (README, ring order); not for "
+                                             "asynchronous algorithms, nor when off: site, then node id")
 
     @property
     def data_path(self) -> Path:

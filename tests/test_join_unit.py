@@ -85,9 +85,10 @@ def test_world_is_ranked_by_site_then_node_id():
 
 def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
     """No run found: every founder forms the run, in the ranks the first founder by node id (a)
-    answers with DescribeRun: the two 10 Mbit hosts b and c, side by side by node id, apart. Its
-    answer does not move while founders ask, even when its links do; an older first founder (no
-    ranking in its answer) leaves site and node id order, which it uses too."""
+    answers with DescribeRun: the two 10 Mbit hosts b and c, side by side by node id, apart (Hop
+    waits for every neighbour), in node id order for NetMax. Its answer does not move while
+    founders ask, even when its links do; an older first founder (no ranking in its answer) leaves
+    site and node id order, which it uses too."""
     import asyncio
     import types
 
@@ -106,13 +107,17 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
                                      link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": list(links)}))
     hosts = {n: daemon(n, Config()) for n in access}
 
-    async def describe(asker, node, founders=None):      # DescribeRun, answered in-process
-        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or []))
+    async def describe(asker, node, founders=None, algorithm=""):      # DescribeRun, answered in-process
+        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or [],
+                                                         algorithm=algorithm))
     monkeypatch.setattr(joining, "describe", describe)
     spec = dataclasses.replace(SPEC, max_world=6)
     spread = ["b", "d", "c", "a", "", ""]                 # slowest first, then fast, slow, fast
     for me in "abcd":
         assert asyncio.run(joining.place(hosts[me], spec)) == (spread, "")
+    netmax = dataclasses.replace(spec, algorithm="netmax")  # asynchronous: slow hosts are not spread
+    for me in "abcd":
+        assert asyncio.run(joining.place(hosts[me], netmax)) == (["a", "b", "c", "d", "", ""], "")
     links[:] = [dict(e, capacity_bytes_s=1e8) for e in links]   # a's links now read uniform
     assert asyncio.run(joining.place(hosts["c"], spec)) == (spread, "")
 
@@ -120,7 +125,7 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
     for me in "abcd":
         assert asyncio.run(joining.place(hosts[me], spec)) == (["a", "b", "c", "d", "", ""], "")
 
-    async def older(asker, node, founders=None):
+    async def older(asker, node, founders=None, algorithm=""):
         return pb.RunInfo(active=False, iteration=-1)
     monkeypatch.setattr(joining, "describe", older)
     assert asyncio.run(joining.place(hosts["d"], spec)) == (["a", "b", "c", "d", "", ""], "")

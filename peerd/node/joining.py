@@ -18,7 +18,7 @@ it never changes when hosts join.
   does one that does not answer (a loaded host: it may run this very run);
 - otherwise form a new run as before, in the ranks the first founder (rank 0 of `form_world`)
   gives in its DescribeRun answer (`ranking`: slow access links apart on the ring, by its link
-  matrix, the same answer to every asker); with `--algo auto`, only the first founder forms it and
+  matrix, unless the algorithm is asynchronous; the same answer to every asker); with `--algo auto`, only the first founder forms it and
   chooses, the others wait for its run and take its algorithm and topology (one plan per run).
   One host decides both because they read measurements, which differ a little between hosts.
 
@@ -109,9 +109,10 @@ MAX_FOUNDERS = 1024   # a DescribeRun asking to rank more is not ranked (a bound
 UNKNOWN = pb.RunInfo(active=False, iteration=-2)   # a peer that did not answer: it may run something
 
 
-async def describe(daemon: "Daemon", node: str, founders: list[str] | None = None) -> pb.RunInfo:
-    """What `node` runs (and, when it is the first of `founders`, how it ranks them); UNKNOWN when
-    it did not answer (a daemon without DescribeRun runs nothing that could be joined)."""
+async def describe(daemon: "Daemon", node: str, founders: list[str] | None = None, algorithm: str = "") -> pb.RunInfo:
+    """What `node` runs (and, when it is the first of `founders`, how it ranks them for
+    `algorithm`); UNKNOWN when it did not answer (a daemon without DescribeRun runs nothing that
+    could be joined)."""
     m = daemon.membership.get(node)
     if m is None:
         return UNKNOWN
@@ -119,7 +120,8 @@ async def describe(daemon: "Daemon", node: str, founders: list[str] | None = Non
     stub = daemon._channel(m.address).unary_unary(method, request_serializer=pb.RunQuery.SerializeToString,
                                                   response_deserializer=pb.RunInfo.FromString)
     try:
-        return await rpc(stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id, founders=founders or []),
+        return await rpc(stub(pb.RunQuery(sender=daemon.node_id, run_id=daemon.cfg.run_id, founders=founders or [],
+                                          algorithm=algorithm),
                               metadata=daemon.auth.sign(method), timeout=daemon.cfg.rpc_timeout))
     except grpc.aio.AioRpcError as e:
         log.info("describe run: %s did not answer: %s", node, e.code().name)
@@ -133,7 +135,7 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
 
     alive = daemon.membership.alive()
     founders = form_world(daemon, spec.world)
-    infos = await asyncio.gather(*(describe(daemon, n, founders) for n in alive))
+    infos = await asyncio.gather(*(describe(daemon, n, founders, spec.algorithm) for n in alive))
     mine = shared_spec(spec)
     match: Found | None = None
     differ: dict[str, str] = {}
@@ -175,7 +177,7 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
         # tie (a uniform LAN is all ties): hosts that chose differently derive different tags.
         return None, f"--algo auto: waiting for {founders[0]}, the run's first host, to choose"
     if founders[0] == daemon.node_id:
-        founders = ranking(daemon, founders)
+        founders = ranking(daemon, founders, spec.algorithm)
     else:
         # The first founder's ranks (its link matrix, not ours: every founder must form the same
         # table); one that gives none (an older daemon) ranks by site and node id, as we then do.
@@ -185,10 +187,17 @@ async def place(daemon: "Daemon", spec: "RunSpec") -> tuple[list[str] | None, st
     return founders + [""] * (spec.max_world - spec.world), ""
 
 
-def ranking(daemon: "Daemon", founders: list[str]) -> list[str]:
-    """The ranks this host, as the first founder, gives `founders`: slow-access hosts spread apart
-    on the ring (peerd.sync.topology.spread_slow_hosts) by its link matrix; as given when
-    Config.train_spread_slow_hosts is off or nothing was measured.
+def ranking(daemon: "Daemon", founders: list[str], algorithm: str = "") -> list[str]:
+    """The ranks this host, as the first founder, gives `founders` for `algorithm`: slow-access
+    hosts spread apart on the ring (peerd.sync.topology.spread_slow_hosts) by its link matrix;
+    as given for an asynchronous algorithm, when Config.train_spread_slow_hosts is off, or when
+    nothing was measured. (An asker that names no algorithm is an older daemon, which spreads;
+    `--algo auto` is ranked before the plan chooses, so it spreads too.)
+
+    Why not the asynchronous ones: on the lab's star (10/10/100/100/1000/1000 Mbit) spreading made
+    D-PSGD, Hop and AAU, which wait for both neighbours, 1.3-1.4x faster per iteration, but NetMax,
+    which waits for no one, reached 80 % in 30.6 s (median of 3) apart against 17.8 s with the
+    slow hosts side by side (README, ring order).
 
     The same answer to every founder that asks (DescribeRun) while they form the run: the first
     answer for a founder set is kept until nobody asked for Config.train_join_timeout, so a link
@@ -197,16 +206,18 @@ def ranking(daemon: "Daemon", founders: list[str]) -> list[str]:
 
     from peerd.node.training import site_of
     from peerd.plan.sources import access_rates
+    from peerd.sync.registry import ASYNCHRONOUS
     from peerd.sync.topology import spread_slow_hosts
 
     now = time.monotonic()
-    key = tuple(founders)
+    spread = algorithm not in ASYNCHRONOUS
+    key = (tuple(founders), spread)
     kept = daemon.rankings.get(key)
     if kept is not None and now - kept[1] <= daemon.cfg.train_join_timeout:
         daemon.rankings[key] = (kept[0], now)
         return list(kept[0])
     ranked = list(founders)
-    if daemon.cfg.train_spread_slow_hosts and daemon.link_matrix is not None:
+    if spread and daemon.cfg.train_spread_slow_hosts and daemon.link_matrix is not None:
         access = access_rates(daemon.link_matrix.to_dict(now), founders)
         ranked = spread_slow_hosts(founders, access, {n: site_of(daemon, n) for n in founders})
         if ranked != founders:
@@ -251,7 +262,7 @@ def run_info(daemon: "Daemon", query: pb.RunQuery | None = None) -> pb.RunInfo:
     run = daemon.training
     founders = list(query.founders) if query is not None else []
     if founders and founders[0] == daemon.node_id and len(set(founders)) == len(founders) <= MAX_FOUNDERS:
-        rank = ranking(daemon, founders)
+        rank = ranking(daemon, founders, query.algorithm)
     else:
         rank = []
     if run is None:

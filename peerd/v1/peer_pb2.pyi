@@ -290,14 +290,16 @@ class TrainerNoticeReply(_message.Message):
     def __init__(self, iteration: _Optional[int] = ...) -> None: ...
 
 class RunQuery(_message.Message):
-    __slots__ = ("sender", "run_id", "founders")
+    __slots__ = ("sender", "run_id", "founders", "algorithm")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FOUNDERS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     sender: str
     run_id: str
     founders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., founders: _Optional[_Iterable[str]] = ...) -> None: ...
+    algorithm: str
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., founders: _Optional[_Iterable[str]] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class RunInfo(_message.Message):
     __slots__ = ("active", "tag", "spec_json", "nodes", "iteration", "ranking")
