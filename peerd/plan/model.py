@@ -105,10 +105,10 @@ time is its own):
   windows: 18-19 iterations of AD-PSGD's 10 Mbit active, 51-59 of NetMax's 10 Mbit hosts;
   docs/bench/full-matrix): AD-PSGD -1/+3/-1 % (its 10 Mbit active 2.69 s predicted, 2.24-2.46 s
   measured; +28/+33/+29 % when a worker's own pulls shared its link and both legs counted for
-  the whole pull). NetMax +10/+33/+14 %: its 10 Mbit hosts 1.35 s predicted, 1.08-1.37 s
-  measured; the miss is the daemon's P, not the rates: on the fast hosts' traces the share of
-  pulls to the 10 Mbit neighbour swings between ~0 and ~1 in stretches (28-60 % over a run),
-  where the solve on the link matrix gives 50 %.
+  the whole pull). NetMax +10/+33/+14 % while the daemon took every re-solve as it came: the
+  solve chased estimate noise (a fast host's row swung 0.27-0.73 between 10-s feeds), and
+  stretches of equal wall time at two paces average fewer seconds per iteration than the steady
+  P. With the daemon's P smoothed across re-solves (peerd.sync.netmax, `smoothing`), +22/+19/-2 %.
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
 than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
