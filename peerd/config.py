@@ -341,6 +341,11 @@ class Config:
                                  "--max-world (0: the run's --world, no new host joins)")
     train_join_retry: float = _f(0.5, "seconds a host that wants to join a run waits before asking again "
                                       "(contested rank, a member not answering, the run not found yet)")
+    train_coalesce_updates: bool = _f(False, "for Hop's backup and staleness modes, a newer update to a neighbour "
+                                             "replaces an older one still waiting in the sender's queue (the "
+                                             "receiver takes a neighbour's next update in place of one it never "
+                                             "got); off by default until the benchmark matrix is re-run with it "
+                                             "(README, ring order)")
     train_spread_slow_hosts: bool = _f(True, "the run's first host ranks the hosts so that those whose access "
                                              "link is half or less of their site's fastest (by its link matrix) "
                                              "are not ring neighbours where it can help it: two slow hosts side "

@@ -123,3 +123,41 @@ def test_a_carried_pull_keeps_its_snapshot_until_its_push_is_done(tmp_path):
         assert not run.sending, "the push is settled once its stream ended"
 
     asyncio.run(go())
+
+
+def test_coalescing_replaces_an_unsent_update_with_the_newest_and_loses_no_count(tmp_path):
+    """Hop backup+skip with train_coalesce_updates: while update 0 streams to b over a slow link,
+    updates 1-3 for b wait in its queue as one entry that always holds the newest, so 3 follows 0
+    and 1-2 are never sent; nothing stays counted as sending. Off, all four go in order."""
+    from peerd.sync import events as ev
+
+    async def go(coalesce: bool) -> list[int]:
+        run = _run(tmp_path)
+        run.d.cfg = dataclasses.replace(run.d.cfg, train_coalesce_updates=coalesce)
+        run = TrainingRun(run.d, dataclasses.replace(run.spec, algorithm="hop-backup-skip"), NODES)
+        run.layout = Layout.build([("w", "float32", (1024,))])
+        run.wire = wire_layout(run.layout)
+        gate, pushed = asyncio.Event(), []
+
+        async def push_tensor(address, node, outgoing, iteration, kind):
+            pushed.append((node, iteration))
+            await gate.wait()                   # a slow link: the push lasts until the gate opens
+        run.d.push_tensor = push_tensor
+        run.d.membership = types.SimpleNamespace(get=lambda node: types.SimpleNamespace(address=node))
+        for k in range(4):
+            _publish(run, k)
+            run._send(ev.Send(1, k))
+            await asyncio.sleep(0.01)           # the sender takes update 0 and streams it
+        gate.set()
+        for _ in range(100):
+            if not run.sending:
+                break
+            await asyncio.sleep(0.01)
+        assert not run.sending and not run.unsent
+        for task in run.senders.values():
+            task.cancel()
+        assert {node for node, _ in pushed} == {"b"}
+        return [k for _, k in pushed]
+
+    assert asyncio.run(go(True)) == [0, 3]
+    assert asyncio.run(go(False)) == [0, 1, 2, 3]

@@ -211,6 +211,7 @@ class TrainingRun:
         if "skip" in spec.options:
             opts["skip"] = spec.options["skip"].lower() in ("1", "true", "yes")
         self.policy = registry.build(spec.algorithm, self.n, topo, seed=spec.seed, **opts)[self.rank]
+        self.coalesce = daemon.cfg.train_coalesce_updates and self.policy.coalesces
         self.layout: Layout | None = None
         self.wire: tw.Layout | None = None
         self.slots: list[torch.Tensor] = []
@@ -230,6 +231,7 @@ class TrainingRun:
         self.pending_average: list[tuple[tuple[int, int, float], ...]] = []
         self.queues: dict[int, asyncio.Queue] = {}
         self.senders: dict[int, asyncio.Task] = {}   # the task draining each queue
+        self.unsent: dict[int, list] = {}   # coalescing: dst -> [the newest update queued, not yet taken]
         self.timer: asyncio.TimerHandle | None = None
         self.progress = Progress()
         self.changed = asyncio.Event()
@@ -641,7 +643,17 @@ class TrainingRun:
             return
         k = self.live_k if (a.live or a.k == ev.CURRENT) else a.k
         self.sending[k] += 1
-        self._queue(a.dst).put_nowait((self.kind("model"), k, self.own_out[k]))
+        item = (self.kind("model"), k, self.own_out[k])
+        if not self.coalesce:
+            self._queue(a.dst).put_nowait(item)
+            return
+        slot = self.unsent.get(a.dst)
+        if slot is not None:      # an older update to dst waits in its queue: the newer one goes instead
+            self._settle(slot[0])
+            slot[0] = item
+            return
+        slot = self.unsent[a.dst] = [item]
+        self._queue(a.dst).put_nowait(("unsent", slot))
 
     def _queue(self, dst: int) -> asyncio.Queue:
         """One ordered sender per destination: updates arrive in iteration order."""
@@ -661,7 +673,9 @@ class TrainingRun:
         if task is not None:
             task.cancel()            # its `finally` settles the item in flight
         while q is not None and not q.empty():
-            self._settle(q.get_nowait())
+            item = q.get_nowait()
+            self._settle(item[1][0] if item[0] == "unsent" else item)
+        self.unsent.pop(dst, None)
 
     def _settle(self, item: tuple) -> None:
         """An item left its queue (sent, failed or abandoned): drop it from the pending counts."""
@@ -675,6 +689,11 @@ class TrainingRun:
     async def _sender(self, dst: int, q: asyncio.Queue) -> None:
         while True:
             item = await q.get()
+            if item[0] == "unsent":           # coalescing: whatever update is newest now
+                slot = item[1]
+                item = slot[0]
+                if self.unsent.get(dst) is slot:
+                    del self.unsent[dst]
             node = self.nodes[dst]   # read per item: a vacant rank may be taken by a joiner
             try:
                 member = self.d.membership.get(node) if node else None

@@ -201,6 +201,8 @@ def check(records: list[dict[str, Any]], profile_loader: Callable[[str, int], Pr
         algo = ALIASES.get(algo, algo)
         topo = str(rec.get("topology") or ("exp-directed" if algo == "sgp" else "ring"))
         o = replace(opts, overhead=over) if over is not None else opts
+        if "--train-coalesce-updates" in str(rec.get("daemon_args") or "").split():
+            o = replace(o, coalesce=True)     # the lab's daemons coalesced queued updates
         try:
             # The benchmark's DDP worker pads its compute before backward(), where DDP all-reduces,
             # so nothing hides its communication; peerd's trainer always overlaps.

@@ -273,6 +273,7 @@ class Options:
     max_skip: int = 4
     aau_staleness: int = 2
     netmax_consensus: float = 0.3
+    coalesce: bool = False         # the daemon's train_coalesce_updates (simulated contenders)
 
     def overheads(self, n: int) -> np.ndarray:
         """O per host."""
@@ -291,7 +292,8 @@ class Options:
                    first_bucket_bytes=cfg.plan_first_bucket_bytes,
                    max_ig=cfg.hop_max_ig, backup=cfg.hop_backup,
                    staleness=cfg.hop_staleness if cfg.hop_staleness >= 0 else 2, max_skip=cfg.hop_max_skip,
-                   aau_staleness=cfg.aau_staleness, netmax_consensus=cfg.netmax_consensus)
+                   aau_staleness=cfg.aau_staleness, netmax_consensus=cfg.netmax_consensus,
+                   coalesce=cfg.train_coalesce_updates)
 
 
 # ---- order statistics ------------------------------------------------------------------------
@@ -582,7 +584,7 @@ def simulated_iteration(net: Network, comp: Compute, nbytes: float, topo: Topolo
     K = max(10, opts.sim_iterations)
     spec = SimSpec(n=n, params=max(1, int(nbytes // 4)), iterations=K, compute=1.0, bandwidth=bw,
                    latency=net.latency, timing_only=True, stop_at_target=False, seed=opts.seed,
-                   estimates=registry.ESTIMATES.get(algorithm, "none"))
+                   estimates=registry.ESTIMATES.get(algorithm, "none"), coalesce=opts.coalesce)
     o: dict[str, Any] = {}
     if algorithm.startswith("hop"):
         o.update(max_ig=opts.max_ig, max_skip=opts.max_skip)

@@ -17,6 +17,9 @@ Model:
   and holds the queue one round trip. So a grant never overtakes an update queued before it. Pull
   answers and a Pull's carried model are RPCs of their own (not queued). `sender="pipe"`: the
   older abstraction, updates back to back on the pipe, grants after the latency only.
+  `coalesce` (the daemon's `train_coalesce_updates`, for a policy that allows it: Hop's backup and
+  staleness modes): an update queued while an older one to the same neighbour has not started
+  takes its place (same start and arrival), and the older one is never delivered.
 - A crashed worker stops at its crash time; messages to it are lost; every other worker gets
   PeerDown after `detect` seconds.
 - A late joiner (`join`: worker -> time) is absent from the start: every policy hears PeerDown for
@@ -77,6 +80,7 @@ class SimSpec:
     estimates: str = "none"            # none | arrival | pull: which matrix LinkEstimates carries
     bandwidth_changes: dict[float, Any] = field(default_factory=dict)  # time -> new bandwidth
     sender: str = "daemon"             # daemon | pipe: see the module docstring
+    coalesce: bool = False             # sender="daemon": the daemon's train_coalesce_updates
 
 
 @dataclass
@@ -161,6 +165,12 @@ class Simulator:
             raise ValueError(f"sender: expected daemon or pipe, got {spec.sender!r}")
         self.link_free: dict[tuple[int, int], float] = {}
         self.queue_free: dict[tuple[int, int], float] = {}   # sender="daemon": next queued item may start
+        self.last_start = 0.0             # when _transmit's item starts
+        # Coalescing (spec.coalesce, for policies that allow it): (a, b) -> (start, arrival, event seq)
+        # of the last update queued on a -> b; a newer update before its start takes its place.
+        self.coalescing = [spec.coalesce and spec.sender == "daemon" and p.coalesces for p in policies]
+        self.unsent: dict[tuple[int, int], tuple[float, float, int]] = {}
+        self.cancelled: set[int] = set()  # event seqs of updates replaced before they started
         self.serving = False              # handling a PullRequested: a Send is the pull's answer
         self.k = [-1] * n                 # published iteration
         self.computed = [0] * n
@@ -200,6 +210,7 @@ class Simulator:
         start = max(self.now, self.link_free.get((a, b), 0.0))
         if queued:
             start = max(start, self.queue_free.get((a, b), 0.0))
+        self.last_start = start
         end = start + nbytes / self.bw[a, b]
         if nbytes:
             self.link_free[(a, b)] = end
@@ -279,8 +290,17 @@ class Simulator:
                     if ok != a.k:
                         raise SimError(f"worker {i}: Send of iteration {a.k}, published is {ok}")
                 if self.alive[a.dst]:
-                    at = self._transmit(i, a.dst, self.msg_bytes, queued=not self.serving)
+                    coalesce = self.coalescing[i] and not self.serving
+                    held = self.unsent.get((i, a.dst)) if coalesce else None
+                    if held is not None and held[0] > self.now:   # takes the unstarted one's place
+                        self.cancelled.add(held[2])
+                        start, at = held[0], held[1]
+                    else:
+                        at = self._transmit(i, a.dst, self.msg_bytes, queued=not self.serving)
+                        start = self.last_start
                     self._push(at, _DELIVER, a.dst, (UpdateArrived(i, a.k), data))
+                    if coalesce:
+                        self.unsent[(i, a.dst)] = (start, at, self.seq)
             elif t is Mix:
                 if self.X is not None:
                     self.X[i] = self._combine(i, a.entries) - self.spec.lr * self.G[i]
@@ -408,9 +428,12 @@ class Simulator:
             if self.alive[i]:
                 self._publish(i, 0)
         while self.heap:
-            t, _, kind, i, payload = heapq.heappop(self.heap)
+            t, seq, kind, i, payload = heapq.heappop(self.heap)
             if t > s.max_time:
                 break
+            if seq in self.cancelled:
+                self.cancelled.discard(seq)
+                continue
             self.now = t
             self.events += 1
             if kind == _DELIVER:

@@ -92,6 +92,7 @@ class Hop(Policy):
         self.backup = backup
         self.staleness = staleness
         self.skip = skip
+        self.coalesces = backup > 0 or staleness is not None
         self.max_skip = max_skip
         self.held: dict[int, set[int]] = {}     # src -> iterations in hand
         self.seen: dict[int, int] = {}          # src -> newest tag ever received

@@ -23,6 +23,10 @@ from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerD
 class Policy:
     """Base class: dispatch by event type; subclasses override the handlers they need."""
     name = "policy"
+    # Whether a newer update may replace an older one still queued, unsent, to the same neighbour
+    # (the driver's sender coalesces when its config allows): true where the receiver takes a
+    # neighbour's next update in place of one it never got (Hop's backup and staleness modes).
+    coalesces = False
 
     def __init__(self, me: int, n: int) -> None:
         if not 0 <= me < n:
