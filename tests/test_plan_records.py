@@ -237,3 +237,14 @@ def test_per_host_overheads_in_the_model():
     # Synchronous: the slower host's overhead sets the pace; asynchronous: the mean.
     assert model.predict_one(net, comp, 1, "d-psgd", "ring", o) == pytest.approx(0.3, rel=1e-6)
     assert model.predict_one(net, comp, 1, "ad-psgd", "ring", o) == pytest.approx(0.25, rel=1e-6)
+
+
+def test_check_simulates_coalescing_when_the_lab_daemons_ran_with_it():
+    # The star, slow hosts side by side (ranks of the lab's adjacent runs): with the daemons'
+    # --train-coalesce-updates a slow host hears its neighbours' newest tags and skips.
+    comp = [0.1] * 6
+    ranks = [2, 4, 0, 1, 3, 5]
+    plain = _record("hop-backup-skip", comp, 1.0, "star-6", ranks=ranks, overhead=None)
+    co = dict(plain, daemon_args="--no-train-spread-slow-hosts --train-coalesce-updates")
+    [s] = check.check([plain, co], _load)
+    assert s.rows[1].predicted < 0.7 * s.rows[0].predicted
