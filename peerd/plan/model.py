@@ -111,7 +111,10 @@ time is its own):
   P. With the daemon's P smoothed across re-solves (peerd.sync.netmax, `smoothing`), +22/+19/-2 %.
 
 Simulated (the simulator drives the very policies; per-iteration time is better computed there
-than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU.
+than in closed form): Hop with iteration skipping (backup + skip, staleness + skip) and DSGD-AAU;
+and, when the daemons coalesce queued updates (Options.coalesce, Config.train_coalesce_updates),
+Hop's backup and staleness modes too, because max-plus delivers every update (ours; two sites,
+Hop with staleness: 0.24 s simulated, 0.25-0.27 s measured, where max-plus says 0.45 s).
 peerd.sim runs them timing-only with Gaussian compute (mean_i + O_i, std_i), the shared rates
 r_ji of the topology's flows as per-pair bandwidths and the daemon's ordered sender (SimSpec
 sender="daemon": the queue above, grants included); T = mean over hosts of each host's finish
@@ -143,6 +146,7 @@ from peerd.sync.topology import Topology
 # Algorithms whose steady state the max-plus recursion models, and those left to the simulator.
 SYNC = ("d-psgd", "hop", "hop-backup", "hop-staleness", "sgp")
 SIMULATED = ("hop-backup-skip", "hop-staleness-skip", "aau")
+COALESCING_MAXPLUS = ("hop-backup", "hop-staleness")   # simulated instead when Options.coalesce
 ASYNC = ("netmax", "netmax-uniform", "netmax-inv", "netmax-invsqrt", "ad-psgd")
 TOPOLOGIES = ("ring", "exp", "aer", "complete")
 DDP = "ddp"
@@ -691,6 +695,10 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, used=used)
     if algorithm == "hop":
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, max_ig=opts.max_ig, used=used)
+    if opts.coalesce and overlap and algorithm in COALESCING_MAXPLUS:
+        # Max-plus delivers every update; with coalescing a newer one replaces one still queued,
+        # which only the simulator (SimSpec.coalesce, as the daemon sends) follows.
+        return simulated_iteration(net, comp, nbytes, topo, topo_name, algorithm, opts, used)
     if algorithm == "hop-backup":
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, backup=opts.backup,
                                  max_ig=opts.max_ig, used=used)
