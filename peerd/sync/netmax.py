@@ -45,11 +45,11 @@ Probability matrix (reading choices; the paper's exact objective is reconstructe
   The solve minimises the slowest row's time, so it chases noise: with 20 % log-normal noise on the
   star's times the held steady P costs 1.08 / 1.20 / 1.32 times the fresh solve (median, 90th,
   99th percentile), while a real change (a two-site complete graph whose sites regroup) costs
-  several times more. The
-  objective is flat near its optimum: on the lab's mixed-links star the daemon's rows swung between
-  0.27 and 0.73 from one 10-s feed to the next on estimate noise alone, and the model's steady P
-  predicted 10-33 % more time per iteration than was measured. Averaging is safe: lambda_2 is concave in P
-  and the budgets are linear, so an average of near-optimal P is near-optimal.
+  3.3 times more. The objective is flat near its optimum: on the lab's mixed-links star the
+  daemon's rows swung between 0.27 and 0.73 from one 10-s feed to the next on estimate noise
+  alone, and the model's steady P predicted 10-33 % more time per iteration than was measured.
+  Averaging is safe: lambda_2 is concave in P and the budgets are linear, so an average of
+  near-optimal P is near-optimal.
 Ablations: uniform, p ~ 1/t, p ~ 1/sqrt(t) over live links.
 """
 from __future__ import annotations
@@ -180,12 +180,14 @@ def row_time(P: np.ndarray, t: np.ndarray) -> np.ndarray:
 def total_time(P: np.ndarray, t: np.ndarray, adj: np.ndarray, consensus: float = 0.3) -> float:
     """solve()'s objective for a given P: tbar * (1 + beta / gap) (inf when P does not connect)."""
     adj = np.asarray(adj, dtype=bool)
-    has = adj.any(1)
+    return _objective(P, np.asarray(t, dtype=float), adj.any(1), consensus * spectral_gap(uniform_probs(adj)))
+
+
+def _objective(P: np.ndarray, t: np.ndarray, has: np.ndarray, beta: float) -> float:
     gap = spectral_gap(P)
     if not has.any() or gap <= 1e-12:
         return float("inf")
-    tbar = float(row_time(P, np.asarray(t, dtype=float))[has].max())
-    return tbar * (1 + consensus * spectral_gap(uniform_probs(adj)) / gap)
+    return float(row_time(P, t)[has].max()) * (1 + beta / gap)
 
 
 def solve(t: np.ndarray, adj: np.ndarray, grid: int = 8, steps: int = 60,
@@ -201,19 +203,15 @@ def solve(t: np.ndarray, adj: np.ndarray, grid: int = 8, steps: int = 60,
     t_uni = float(row_time(uniform_probs(adj), t).max())
     beta = consensus * spectral_gap(uniform_probs(adj))
     budgets = sorted(set(np.geomspace(lo, max(hi, lo), grid).tolist() + [t_uni]))
-    best: tuple[np.ndarray, float, float] | None = None
-    cost = lambda tb, gap: tb * (1 + beta / gap)  # noqa: E731
+    best, best_cost = None, float("inf")
     for tb in budgets:
-        P, gap = solve_budget(t, adj, tb, steps)
-        if gap <= 1e-12:
-            continue
-        tb_real = float(row_time(P, t)[has].max())
-        if best is None or cost(tb_real, gap) < cost(best[1], best[2]):
-            best = (P, tb_real, gap)
+        P = solve_budget(t, adj, tb, steps)[0]
+        cost = _objective(P, t, has, beta)
+        if cost < best_cost:
+            best, best_cost = P, cost
     if best is None:  # disconnected links: no gap reachable; fall back to uniform
-        P = uniform_probs(adj)
-        return P, t_uni, 0.0
-    return best
+        return uniform_probs(adj), t_uni, 0.0
+    return best, float(row_time(best, t)[has].max()), spectral_gap(best)
 
 
 @lru_cache(maxsize=32)
