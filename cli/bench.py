@@ -12,7 +12,6 @@ its VmRSS before them (the kernel's high-water mark is reset through /proc/self/
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import queue
@@ -218,7 +217,7 @@ def run_transport(sizes: list[int], reps: int, shaped_sizes: list[int], rates: l
             peers.append(b)
             for rate in rates:
                 shape(ns_a, dev_a, rate)
-                measure(f"warmup", a, b, ip_b, 1 << 20, 1, warmup=0)  # connections up, slow start done
+                measure("warmup", a, b, ip_b, 1 << 20, 1, warmup=0)  # connections up, slow start done
                 for size in shaped_sizes:
                     say(f"shaped {rate // 10**6} Mbit {human(size)} ...")
                     bound = 120 + 3 * size * 8 / rate
@@ -360,6 +359,43 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
     click.echo(f"  publish + mix           {cost * 1000:8.1f} ms = {cost / med['step_s']:.1%} of the step")
 
 
+@bench.command("size")
+@click.option("--case", "cases", multiple=True, metavar="TOPOLOGY:HOSTS:SIZE",
+              help="one case, e.g. ring:3:100MB (repeatable); default: ring:3 and complete:4 at 1, 10, 100 and "
+                   "400 MB, and ring:2 at 1 GB")
+@click.option("--iterations", default=8, show_default=True, help="iterations per case (the first 2 are not timed)")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), default=None,
+              help="also write one JSON record per case to this file")
+@click.option("--daemon-arg", "daemon_args", multiple=True, help="extra flag for every daemon (repeatable)")
+def size_cmd(cases: tuple[str, ...], iterations: int, json_file: str | None, daemon_args: tuple[str, ...]) -> None:
+    """Models of 1 MB to 1 GB through the daemon, against plain TCP moving the same bytes.
+
+    For each case: that many daemons on loopback, a zero-compute trainer on each (publish, mix, copy
+    back) with D-PSGD; then plain TCP between processes over the same graph doing the same weighted
+    sum. Prints seconds per iteration, peak memory of daemons and trainers (x the model), the
+    daemons' event-loop lag, peers marked suspect and partial mixes."""
+    import json as jsonlib
+
+    from peerd.bench import size
+
+    if not cases:
+        cases = tuple(f"{t}:{n}:{mb}MB" for mb in (1, 10, 100, 400) for t, n in (("ring", 3), ("complete", 4))) \
+            + ("ring:2:1GB",)
+    parsed = []
+    for c in cases:
+        try:
+            topo, hosts, sz = c.split(":")
+            parsed.append(size.Case(int(hosts), topo, parse_size(sz)))
+        except ValueError:
+            raise click.BadParameter(f"{c!r}: expected TOPOLOGY:HOSTS:SIZE, e.g. ring:3:100MB") from None
+    results = size.run(parsed, iterations, echo=lambda m: click.echo(m, err=True), daemon_args=list(daemon_args))
+    if json_file:
+        with open(json_file, "a") as fh:
+            for r in results:
+                fh.write(jsonlib.dumps(r.record()) + "\n")
+    click.echo(size.table(results))
+
+
 @bench.command("scenarios")
 @click.option("--quick", is_flag=True, help="100 iterations, target 80 %, 1 seed, contenders ddp, hop-backup-skip, netmax (~28 min)")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="also append each record here")
@@ -367,7 +403,8 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
               help="run directory (default: bench-<time>); an existing one with the same settings is resumed: "
                    "runs already recorded there are skipped, the others added")
 @click.option("--seeds", default=None, type=click.IntRange(1, 20), help="seeds per run (default 3; --quick: 1)")
-@click.option("--scenario", "scenario_names", multiple=True, help="only these scenarios (repeat)")
+@click.option("--scenario", "scenario_names", multiple=True,
+              help="only these scenarios (repeat); two-sites-4 and two-sites-nat (docs/nat.md) run only when named")
 @click.option("--contender", "contender_names", multiple=True, help="only these contenders (repeat): ddp or an algorithm")
 @click.option("--hosts", type=click.IntRange(2, 12), help="override the host count of every scenario")
 @click.option("--iterations", type=click.IntRange(2), help="iterations per run")
@@ -405,7 +442,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                            daemon_args=shlex.join(daemon_args) if daemon_args else None).items():
         if value is not None:
             setattr(st, key, value)
-    names = list(scenario_names) or list(sc.SCENARIOS)
+    names = list(scenario_names) or list(sc.DEFAULT_SCENARIOS)
     contenders = list(contender_names) or (sc.QUICK_CONTENDERS if quick else sc.CONTENDERS)
     out = Path(out_dir or time.strftime("bench-%Y%m%d-%H%M%S")).resolve()
     click.echo(f"run directory {out}; {len(names)} scenario(s) x {len(contenders)} contender(s) x "
@@ -426,7 +463,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
     signal.signal(signal.SIGINT, interrupted)
     cfg = config.load()
     if quick:   # 30 minutes: no waiting minutes per lab for the link probing to settle
-        cfg = dataclasses.replace(cfg, bench_settle_timeout=0.0)
+        cfg = cfg.replace(bench_settle_timeout=0.0)
     try:
         recs = sc.run(names, contenders, seeds or (1 if quick else 3), st, out, cfg,
                       echo=lambda m: (click.echo(m), sys.stdout.flush()), json_file=Path(json_file) if json_file else None)
@@ -472,3 +509,104 @@ def retime_cmd(run_dir: str) -> None:
     click.echo(f"{len(new) - len(kept)} records retimed in {path} (was: {orig})")
     if kept:
         click.echo(f"{len(kept)} kept as they were (no traces in {d}): {', '.join(kept)}")
+
+
+@bench.command("device")
+@click.option("--model-size", default="tiny", show_default=True, help="gpt model size: tiny, small, base")
+@click.option("--iterations", default=40, show_default=True, help="iterations per host (the first 5 are a warm-up)")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
+@click.option("--staging", type=click.Choice(["auto", "none", "thread"]), default="auto", show_default=True,
+              help="thread: run the GPU path's staged exchange on the CPU (copies on a thread)")
+@click.option("--batch-size", type=int, default=None, help="default: the model size's")
+@click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
+def device_cmd(model_size: str, iterations: int, device: str, staging: str, batch_size: int | None,
+               as_json: bool) -> None:
+    """Train the gpt task on two loopback daemons; print step time, copy time and how much of the
+    copies overlapped compute (on a GPU; without CUDA it says so and trains on the CPU)."""
+    from peerd.bench import device_check
+    try:
+        result = device_check.run(model_size, iterations, device, staging, batch_size,
+                                  log=lambda s: click.echo(s, err=True))
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(result) if as_json else device_check.table(result))
+
+
+@bench.command("redteam")
+@click.option("--seconds", default=60.0, show_default=True, help="how long the hostile load lasts")
+@click.option("--json", "as_json", is_flag=True, help="print the result as one JSON record")
+@click.option("--dir", "root", default=None, help="where the two daemons' data dirs and logs go (default: a new temp dir)")
+@click.option("--tls", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
+              help="the daemons' --tls (on loopback, auto is plaintext)")
+def redteam(seconds: float, as_json: bool, root: str | None, tls: str) -> None:
+    """Hostile load on a live daemon with no run (peerd.bench.redteam): fuzzed bodies on every Peer
+    RPC, bad and replayed credentials, bursts of connections, 4 MiB bodies, rounds of 128 concurrent
+    unauthenticated calls; its peak RSS, its Status latency, and whether it still does its job. As
+    root it runs in a network namespace of its own (only loopback), removed afterwards."""
+    from pathlib import Path
+
+    from peerd.bench import redteam as rt
+
+    r = rt.run_isolated(seconds, Path(root) if root else None, log=lambda s: click.echo(s, err=True), tls=tls)
+    click.echo(rt.to_json(r) if as_json else rt.table(r))
+
+
+@bench.command("tls")
+@click.option("--sizes", default="16MiB,64MiB,256MiB", show_default=True, help="comma-separated buffer sizes")
+@click.option("--reps", default=5, show_default=True, help="timed pushes per size and mode (after one warm-up)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per (mode, size)")
+def tls_bench(sizes: str, reps: int, as_json: bool) -> None:
+    """Data-plane push throughput on loopback, plaintext against mutual TLS (peerd.bench.tlsbench)."""
+    from peerd.bench import tlsbench
+
+    records = tlsbench.run([parse_size(s) for s in sizes.split(",") if s.strip()], reps,
+                           log=lambda s: click.echo(s, err=True))
+    click.echo(tlsbench.records_json(records) if as_json else tlsbench.table(records))
+
+
+@bench.command("lowcomm")
+@click.option("--init", "init_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="the shared warm start of the small gpt model (docs/real-size.md)")
+@click.option("--contenders", default="diloco-all-int8,diloco-all,diloco-ring-int8,netmax,ad-psgd,d-psgd,"
+              "straggler-fixed-h,straggler-budget", show_default=True, help="comma-separated")
+@click.option("--seeds", default=1, show_default=True)
+@click.option("--steps", default=60, show_default=True, help="inner steps per host (DiLoCo: STEPS / H rounds)")
+@click.option("--inner-steps", default=10, show_default=True, help="H of the DiLoCo contenders")
+@click.option("--step-time", default=2.5, show_default=True, help="paced seconds per inner step")
+@click.option("--target", default=2.60, show_default=True, help="validation loss to reach (nats per byte)")
+@click.option("--wall-limit", default=900.0, show_default=True, help="seconds after which a run is stopped")
+@click.option("--straggler", default="h1", show_default=True, help="the 2x slower host of the straggler contenders")
+@click.option("--out", "out_dir", default="bench-lowcomm", show_default=True)
+@click.option("--daemon-arg", "daemon_args", multiple=True,
+              help="extra flag for every lab daemon (repeatable), e.g. --daemon-arg=--train-mix-timeout=240")
+def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_steps: int, step_time: float,
+                target: float, wall_limit: float, straggler: str, out_dir: str, daemon_args: tuple[str, ...]) -> None:
+    """The low-communication mode against today's algorithms with the 25M gpt on the two-sites lab
+    (root): time to a target validation loss, final loss, bytes per host per inner step
+    (peerd.bench.lowcomm). Records in OUT/results.jsonl, the table on stdout."""
+    from pathlib import Path
+
+    from peerd.bench import lowcomm
+
+    st = lowcomm.LowCommSettings(init=str(Path(init_path).absolute()), steps=steps, inner_steps=inner_steps,
+                                 step_time=step_time, target=target, wall_limit=wall_limit,
+                                 daemon_args=tuple(daemon_args))
+    try:
+        records = lowcomm.run([c.strip() for c in contenders.split(",") if c.strip()], seeds, st, Path(out_dir),
+                              straggler, echo=lambda s: click.echo(s, err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(lowcomm.table(records))
+
+
+@bench.command("lowcomm-report")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--target", type=float, default=None, help="time to this validation loss (default: the runs' own)")
+def lowcomm_report(out_dir: str, target: float | None) -> None:
+    """The table of a `peerd bench lowcomm` directory, optionally to another target loss."""
+    from pathlib import Path
+
+    from peerd.bench import lowcomm
+    from peerd.bench.scenarios import _read_jsonl
+
+    click.echo(lowcomm.table(_read_jsonl(Path(out_dir) / "results.jsonl"), target))

@@ -46,7 +46,7 @@ def start(dry_run: bool, args: tuple[str, ...]) -> None:
             return
         if not argv:
             raise click.UsageError("nothing to run: give the peerd command, e.g. `-- up --listen 0.0.0.0:7070`")
-        setup_logging(cfg.log_level)
+        setup_logging(cfg.node.log_level, cfg.node.log_format)
         container_mod.start(argv, cfg, dict(os.environ))
     except (config_mod.ConfigError, ProfileError, container_mod.ShapeError) as e:
         raise click.ClickException(str(e)) from None

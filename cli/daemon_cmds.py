@@ -1,10 +1,11 @@
-"""`peerd up`, `peerd status`, `peerd peers`, `peerd links`, `peerd version`, `peerd keys new`."""
+"""`peerd up`, `peerd down`, `peerd status`, `peerd peers`, `peerd links`, `peerd version`, `peerd keys ...`."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -16,22 +17,23 @@ from peerd.config import FIELDS, ConfigError, default_data_dir
 
 
 def config_options(fn):
-    """One flag per daemon Config field, so `peerd up --help` documents every bound and default.
-    Fields of other commands (metadata scope, e.g. "lab") stay settable by TOML and PEERD_*."""
-    for name, f in reversed(list(FIELDS.items())):
-        if f.metadata.get("scope", "daemon") != "daemon":
+    """One flag per setting of the daemon's Config sections. `peerd up --help` shows the common ones;
+    the rest are hidden there and listed by `--help-all` and docs/configuration.md. Settings of the
+    lab, bench and container sections stay settable by TOML and PEERD_*."""
+    for key, s in reversed(list(FIELDS.items())):
+        if s.scope != "daemon":
             continue
-        flag = "--" + f.metadata.get("flag", name).replace("_", "-")
-        default = f.default
+        flag = "--" + s.metadata.get("flag", key).replace("_", "-")
+        default = s.default
         if isinstance(default, bool):
             # --mdns/--no-mdns; None when neither is given, so TOML and PEERD_* still apply
             flag = f"{flag}/--no-{flag[2:]}"
-        help_text = f"{f.metadata['help']}"
+        help_text = s.help
         if default not in ("", (), None):
-            help_text += f"  [default: {default}; env PEERD_{name.upper()}]"
+            help_text += f"  [default: {default}; env PEERD_{key.upper()}]"
         else:
-            help_text += f"  [env PEERD_{name.upper()}]"
-        kwargs: dict = {"default": None, "help": help_text}
+            help_text += f"  [env PEERD_{key.upper()}]"
+        kwargs: dict = {"default": None, "help": help_text, "hidden": not s.metadata.get("common")}
         if isinstance(default, tuple):
             kwargs.update(multiple=True, default=(), metavar="HOST:PORT")
         elif isinstance(default, bool):
@@ -40,15 +42,47 @@ def config_options(fn):
             kwargs.update(type=int)
         elif isinstance(default, float):
             kwargs.update(type=float)
-        if "choices" in f.metadata:
-            kwargs["type"] = click.Choice(f.metadata["choices"])
-        fn = click.option(flag, name, **kwargs)(fn)
-    return fn
+        if "choices" in s.metadata:   # the help names the choices; a short metavar keeps --help narrow
+            kwargs.update(type=click.Choice(s.metadata["choices"]), metavar=key.rsplit("_", 1)[-1].upper())
+        fn = click.option(flag, key, **kwargs)(fn)
+    return click.option("--help-all", is_flag=True, expose_value=False, is_eager=True, callback=_help_all,
+                        help="Show every setting as a flag (each also a TOML key and a PEERD_* variable: "
+                             "docs/configuration.md) and exit.")(fn)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+def _help_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    for param in ctx.command.params:
+        if isinstance(param, click.Option):
+            param.hidden = False
+    click.echo(ctx.get_help())
+    ctx.exit()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (ISO 8601, UTC, milliseconds), level, logger, message, and
+    the traceback as `exception` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+
+        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+               .isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        elif record.stack_info:
+            out["exception"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """The daemon's log on stderr: `--log-format text` (time, level, logger, message) or json."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
 
 @click.command()
@@ -56,10 +90,8 @@ def setup_logging(level: str) -> None:
               help="TOML file with any of the settings below (flags and PEERD_* override it)")
 @config_options
 def up(config_file: str | None, **flags) -> None:
-    """Run the peerd daemon on this host until SIGINT/SIGTERM.
-
-    Serves the Peer service on --listen (authenticated with the cluster secret), the Control service
-    on a unix socket in --data-dir, contacts --peer seeds and learns the rest of the swarm by gossip.
+    """Run the peerd daemon on this host until SIGINT/SIGTERM: signed calls (mutual TLS off
+    loopback) on --listen, control on a socket in --data-dir; joins through --peer or mDNS.
     """
     from peerd.net.auth import SecretError, load_secret
     from peerd.node.daemon import StartupError, run_daemon
@@ -67,8 +99,9 @@ def up(config_file: str | None, **flags) -> None:
 
     try:
         cfg = config_mod.load(config_file, overrides=flags)
-        setup_logging(cfg.log_level)
-        secret = load_secret(cfg.secret_file)
+        setup_logging(cfg.node.log_level, cfg.node.log_format)
+        # With your own CA (--tls-cert/--tls-key/--tls-ca) the CA decides membership: no secret.
+        secret = b"" if cfg.node.tls_cert else load_secret(cfg.node.secret_file)
         code = run_daemon(cfg, secret)
     except (ConfigError, SecretError, StartupError, DataDirError) as e:
         click.echo(f"peerd up: {e}", err=True)
@@ -88,10 +121,14 @@ json_option = click.option("--json", "as_json", is_flag=True, help="print JSON f
 timeout_option = click.option("--timeout", default=3.0, show_default=True, help="seconds to wait for the daemon")
 
 
+def control_socket(data_dir: str | None) -> Path:
+    return Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser().absolute() / "peerd.sock"
+
+
 def control_stub(data_dir: str | None):
     from peerd.v1 import control_pb2_grpc
 
-    path = Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser().absolute() / "peerd.sock"
+    path = control_socket(data_dir)
     if not path.exists():
         raise click.ClickException(f"no daemon control socket at {path}: is `peerd up` running with this "
                                    f"--data-dir?")
@@ -146,16 +183,29 @@ def status(data_dir: str | None, as_json: bool, timeout: float) -> None:
     """Show this host's daemon: id, address, uptime and its peers."""
     reply = fetch_status(data_dir, timeout)
     if as_json:
-        click.echo(json.dumps(status_dict(reply), indent=2))
+        click.echo(json.dumps(status_dict(reply), indent=2, allow_nan=False))
         return
     alive = sum(p.state == "alive" for p in reply.peers)
     click.echo(f"node      {reply.node_id} (incarnation {reply.incarnation})\n"
-               f"address   {reply.address}{'  (TLS)' if reply.tls else ''}\n"
+               f"address   {reply.address}  ({'TLS' if reply.tls else 'plaintext'}; --tls {reply.tls_mode})\n"
+               f"members   certified by {reply.trust}; {reply.revoked_nodes} node(s) revoked\n"
                f"run       {reply.run_id}\n"
                f"uptime    {reply.uptime_s:.0f}s\n"
                f"version   peerd {reply.peerd_version}, protocol {reply.protocol_version}, loop {reply.event_loop}\n"
                f"data dir  {reply.data_dir}\n"
                f"peers     {alive} alive of {len(reply.peers)}")
+    if reply.metrics_url:
+        click.echo(f"metrics   {reply.metrics_url}")
+    click.echo(f"reachable {reply.reachability}  (dial-backs by peers: {reply.dial_backs_reached} connected, "
+               f"{reply.dial_backs_failed} failed; docs/nat.md)")
+    if reply.tunnels_to or reply.tunnels_from or reply.relayed_to:
+        click.echo(f"tunnels   {len(reply.tunnels_to)} kept to peers that cannot dial this host; "
+                   f"{len(reply.tunnels_from)} peer(s) reached through their tunnels, {len(reply.relayed_to)} "
+                   f"through a relay; {reply.tunnelled_connections} connection(s), "
+                   f"{reply.tunnelled_bytes / 1e6:.1f} MB carried")
+    if reply.relay:
+        click.echo(f"relay     on: {reply.relayed_connections} connection(s), {reply.relayed_bytes / 1e6:.1f} MB "
+                   f"relayed for others")
     if reply.refused_calls or reply.rate_limited_calls:
         click.echo(f"refused   {reply.refused_calls} calls without valid credentials, "
                    f"{reply.rate_limited_calls} more rate-limited")
@@ -171,7 +221,7 @@ def peers(data_dir: str | None, as_json: bool, timeout: float) -> None:
     """List the peers this host's daemon knows, with their state."""
     reply = fetch_status(data_dir, timeout)
     if as_json:
-        click.echo(json.dumps(status_dict(reply)["peers"], indent=2))
+        click.echo(json.dumps(status_dict(reply)["peers"], indent=2, allow_nan=False))
         return
     click.echo(_table(_peer_rows(reply), PEER_HEADER) if reply.peers else "no peers yet")
 
@@ -201,6 +251,44 @@ def links(data_dir: str | None, as_json: bool, timeout: float) -> None:
 
 
 @click.command()
+@data_dir_option
+@click.option("--timeout", default=30.0, show_default=True,
+              help="seconds to wait until the daemon has stopped (it stops its trainer and tells its peers first)")
+def down(data_dir: str | None, timeout: float) -> None:
+    """Stop this host's daemon gracefully, as SIGTERM does: it stops its trainer, tells its peers it
+    leaves, closes its sockets and exits. Exits 0 once it has stopped, 1 when no daemon answers or
+    it is still there after --timeout."""
+    from peerd.v1 import control_pb2 as cpb
+
+    sock = control_socket(data_dir)
+    channel, stub = control_stub(data_dir)
+    try:
+        reply = stub.Shutdown(cpb.ShutdownRequest(reason="peerd down"), timeout=min(timeout, 10.0))
+    except grpc.RpcError as e:
+        raise click.ClickException(f"daemon did not answer: {e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    deadline = time.monotonic() + timeout
+    # The daemon removes its control socket at the end of its shutdown, then exits.
+    while sock.exists() or _same_daemon(reply.pid):
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"the daemon (pid {reply.pid}) is still shutting down after {timeout:g}s; "
+                                       f"its log says why (`peerd up` stops what is left after shutdown_timeout)")
+        time.sleep(0.1)
+    click.echo(f"peerd daemon (pid {reply.pid}) stopped")
+
+
+def _same_daemon(pid: int) -> bool:
+    """Whether `pid` is still a peerd process here (a daemon in another pid namespace, e.g. a
+    container sharing its data dir, has a pid that means nothing here: then only its socket counts)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"peerd" in cmdline or b"cli.main" in cmdline
+
+
+@click.command()
 @json_option
 def version(as_json: bool) -> None:
     """Print the versions of peerd, its protocol and the libraries it runs on."""
@@ -222,7 +310,7 @@ def version(as_json: bool) -> None:
 
 @click.group()
 def keys() -> None:
-    """Manage the cluster secret."""
+    """Manage the cluster secret and node keys (docs/security.md)."""
 
 
 @keys.command("new")
@@ -241,4 +329,108 @@ def keys_new(path: str, force: bool) -> None:
     click.echo(f"wrote a new cluster secret to {p}")
 
 
-COMMANDS = [up, status, peers, links, version, keys]
+def _data_path(data_dir: str | None) -> Path:
+    return Path(data_dir or os.environ.get("PEERD_DATA_DIR") or default_data_dir()).expanduser().absolute()
+
+
+@keys.command("show")
+@data_dir_option
+@click.option("--tls-cert", default="", help="your CA's certificate of this node, when it has one")
+def keys_show(data_dir: str | None, tls_cert: str) -> None:
+    """Print this node's id (the hash of its public key) and its public key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from peerd.net import pki
+    from peerd.node.identity import NODE_KEY_FILE
+
+    if tls_cert:
+        public = x509.load_pem_x509_certificates(Path(tls_cert).read_bytes())[0].public_key()
+    else:
+        path = _data_path(data_dir) / NODE_KEY_FILE
+        if not path.exists():
+            raise click.ClickException(f"no node key at {path}: it is made at the first `peerd up` with this --data-dir")
+        try:
+            public = pki.load_key(path).public_key()
+        except pki.PkiError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"node id     {pki.node_id_of(public)}")
+    click.echo(public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+               .decode().rstrip())
+
+
+@keys.command("revoke")
+@click.argument("node_id")
+@click.option("--reason", default="", help="why (kept with the revocation, shown in logs)")
+@click.option("--secret-file", default="", help="the cluster secret (default: $PEERD_SECRET)")
+@click.option("--ca-cert", default="", help="with your own CA: its certificate (the first in --tls-ca)")
+@click.option("--ca-key", default="", help="with your own CA: its private key, which signs the revocation")
+@data_dir_option
+@timeout_option
+def keys_revoke(node_id: str, reason: str, secret_file: str, ca_cert: str, ca_key: str, data_dir: str | None,
+                timeout: float) -> None:
+    """Revoke NODE_ID: no daemon admits it again. The revocation is signed with the cluster CA key
+    (derived from the secret, or --ca-key) and given to the local daemon, which keeps it and
+    spreads it to every daemon with its heartbeats; with no daemon running it is written into the
+    data dir, for the next start. A host that still knows the secret can mint a new node key:
+    rotate the secret (docs/security.md) to shut it out for good."""
+    from peerd.net import pki
+    from peerd.net.auth import SecretError, load_secret, secrets_of
+    from peerd.node.convert import revocation_to_pb
+    from peerd.node.identity import REVOKED_FILE
+    from peerd.v1 import control_pb2 as cpb
+
+    try:
+        if ca_key:
+            trust = pki.ClusterTrust.from_files(ca_cert, ca_key) if ca_cert else None
+            if trust is None:
+                raise click.ClickException("--ca-key needs --ca-cert")
+        else:
+            trust = pki.ClusterTrust.from_secrets(secrets_of(load_secret(secret_file)))
+        rev = trust.revoke(node_id.strip().lower(), reason)
+    except (pki.PkiError, SecretError) as e:
+        raise click.ClickException(str(e)) from None
+    sock = _data_path(data_dir) / "peerd.sock"
+    if sock.exists():
+        msg = revocation_to_pb(rev)
+        channel, stub = control_stub(data_dir)
+        try:
+            reply = stub.Revoke(cpb.RevokeRequest(node_id=msg.node_id, revoked_at=msg.revoked_at, reason=msg.reason,
+                                                  signature=msg.signature), timeout=timeout)
+        except grpc.RpcError as e:
+            raise click.ClickException(f"daemon did not take it: {e.code().name}: {e.details()}") from None
+        finally:
+            channel.close()
+        click.echo(f"revoked {rev.node}: the daemon {'keeps and spreads it' if reply.added else 'knew it already'} "
+                   f"({reply.revoked_nodes} revoked in all)")
+        return
+    store = pki.Revocations(trust, _data_path(data_dir) / REVOKED_FILE)
+    store.add([rev])
+    click.echo(f"revoked {rev.node}: no daemon runs with this data dir; written to {store.path} for its next start")
+
+
+@keys.command("rotate")
+@data_dir_option
+@click.option("--yes", is_flag=True, help="do not ask")
+def keys_rotate(data_dir: str | None, yes: bool) -> None:
+    """Give this node a new key, and so a new node id (the daemon must not be running). For a node
+    whose key leaked or was revoked: revoke the old id, rotate, start again."""
+    from peerd.net import pki
+    from peerd.node.identity import NODE_KEY_FILE
+
+    path = _data_path(data_dir)
+    if (path / "peerd.sock").exists():
+        raise click.ClickException(f"a daemon runs with {path} (stop it first)")
+    key = path / NODE_KEY_FILE
+    old = pki.node_id_of(pki.load_key(key).public_key()) if key.exists() else "none"
+    if not yes:
+        click.confirm(f"replace node key {old} in {path}? Runs that name it must be started again", abort=True)
+    new = pki.new_key()
+    if key.exists():
+        key.replace(path / f"{NODE_KEY_FILE}.old")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pki.write_private(key, pki.key_pem(new))
+    click.echo(f"node key rotated: {old} -> {pki.node_id_of(new.public_key())} (the old key is {NODE_KEY_FILE}.old)")
+
+
+COMMANDS = [up, down, status, peers, links, version, keys]

@@ -80,14 +80,14 @@ def chaos(lab_dir: str | None, duration: float, kill_every: float, down_for: flo
             calm_acc = {h: round(float(r[-1].get("metric", 0.0)), 4) if r else 0.0 for h, r in runs.items()}
         pace = ["--step-time", str(step_time)] if step_time else []
         report = churn.chaos(d, [*args, "--seed", str(seed), *pace], duration=duration, kill_every=kill_every,
-                             down_for=cfg.chaos_down_for if down_for is None else down_for, cut_links=cut_links,
+                             down_for=cfg.lab.chaos_down_for if down_for is None else down_for, cut_links=cut_links,
                              cut_for=cut_for, seed=seed, max_kills=max_kills, max_down=max_down, cfg=cfg,
                              log=lambda m: click.echo(m, err=True))
         report.calm_accuracy = calm_acc
     except LabError as e:
         raise click.ClickException(str(e)) from None
     rec = report.record()
-    rec["stall_bound_s"] = cfg.dead_after + cfg.churn_stall_slack
+    rec["stall_bound_s"] = cfg.membership.dead_after + cfg.lab.churn_stall_slack
     if as_json:
         click.echo(json.dumps(rec, indent=1))
         return

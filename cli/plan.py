@@ -3,6 +3,8 @@
     peerd plan --profile two-sites --model-bytes 100000000 --step-time 0.2[,0.02]   # a lab profile
     peerd plan [--data-dir D] [--model-bytes N] [--step-time S]   # the running swarm of this daemon
     peerd plan check RESULTS.jsonl                                 # the model against measurements
+    peerd plan --profile two-sites --model-bytes 100000000 --step-time 0.2 --compress int8 --fragments 4
+                                           # DiLoCo rows with a fixed codec and F (peerd/plan/lowcomm.py)
 """
 from __future__ import annotations
 
@@ -82,6 +84,30 @@ def _table(preds, best, second) -> str:
     return "\n".join(lines)
 
 
+def _outer_table(op) -> str:
+    head = (f"  {'name':10s} {'topology':9s} {'H':>4s} {'F':>3s} {'tau':>3s} {'codec':5s} {'step_s':>8s} "
+            f"{'compute_s':>9s} {'round_s':>8s} {'MB/sync':>8s} {'MB/round':>9s} {'MB/step':>8s}  hides")
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for r in op.rows:
+        mark = "  <- recommended" if r is op.recommended else ""
+        lines.append(f"  {r.name:10s} {r.topology:9s} {r.inner_steps:4d} {r.fragments:3d} {r.overlap:3d} {r.codec:5s} "
+                     f"{r.step_s:8.4f} {r.compute_step_s:9.4f} {r.step_s * r.inner_steps:8.2f} "
+                     f"{r.bytes_sync / 1e6:8.3f} {r.bytes_round / 1e6:9.3f} {r.bytes_step / 1e6:8.4f}  "
+                     f"{'yes' if r.hidden else 'no'}{mark}")
+    return "\n".join(lines)
+
+
+def _outer_text(op) -> str:
+    out = ["", "low-communication mode (DiLoCo around d-psgd; seconds and MB per host; time and bytes only, "
+               "its convergence per step differs):", _outer_table(op)]
+    r = op.recommended
+    if r is not None:
+        out.append(f"\nrecommended instead: DiLoCo on {r.topology} ({r.name}), H={r.inner_steps} inner steps, "
+                   f"F={r.fragments} fragments, overlap tau={r.overlap}, codec {r.codec}")
+    out.append(f"why: {op.why}")
+    return "\n".join(out)
+
+
 @click.group("plan", invoke_without_command=True)
 @click.option("--profile", "prof", default=None, help="lab profile file or shipped name (two-sites, lan, star, "
                                                       "straggler); without it: the running swarm of this daemon")
@@ -93,20 +119,29 @@ def _table(preds, best, second) -> str:
                                                            "(default Config.plan_overhead)")
 @click.option("--top", type=int, default=0, help="print only the N fastest rows (0: all)")
 @click.option("--runnable", is_flag=True, help="only rows peerd or DDP run as given (overlap on)")
+@click.option("--inner-steps", type=int, default=0, help="DiLoCo rows: also show this H (default: only the "
+                                                         "H the rule computes)")
+@click.option("--fragments", type=int, default=0, help="DiLoCo rows: fix F (default: computed)")
+@click.option("--overlap", type=int, default=-1, help="DiLoCo rows: fix tau, inner steps (default: computed)")
+@click.option("--compress", type=click.Choice(["none", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="DiLoCo rows: fix the wire codec (default: the least lossy that hides the exchange)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object: predictions, recommendation, notes")
 @data_dir_option
 @timeout_option
 @click.pass_context
-def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_json, data_dir, timeout) -> None:
+def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, inner_steps, fragments, overlap,
+         compress, as_json, data_dir, timeout) -> None:
     """Predict the per-iteration time of ring and hierarchical All-Reduce and of every decentralized
     algorithm and topology peerd offers, with and without overlap, from a lab profile or the live
     link matrix and step times; print them ranked with the speedup over ring All-Reduce and the
-    recommendation (the fastest that runs as listed). The formulas are in peerd/plan/model.py."""
+    recommendation (the fastest that runs as listed). The formulas are in peerd/plan/model.py. Then
+    the low-communication mode's rows (DiLoCo on all hosts and as gossip, peerd/plan/lowcomm.py) and,
+    when the best row is communication-bound, the DiLoCo setting recommended instead."""
     if ctx.invoked_subcommand is not None:
         return
     from peerd.config import Config
     from peerd.lab.profile import ProfileError, load
-    from peerd.plan import model, sources
+    from peerd.plan import lowcomm, model, sources
 
     cfg = Config()
     step = _step(step_time)
@@ -124,7 +159,10 @@ def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_j
             source = f"live swarm ({net.n} hosts)"
         opts = model.Options.from_config(cfg, overhead)
         preds = model.plan(net, comp, float(model_bytes), opts)
-        best, second = model.recommend(preds, tie=cfg.plan_tie_fraction)
+        best, second = model.recommend(preds, tie=cfg.plan.tie_fraction)
+        oo = lowcomm.OuterOptions.from_config(cfg, inner_steps=inner_steps, fragments=fragments, overlap=overlap,
+                                              codec=compress or "")
+        op = lowcomm.plan_outer(net, comp, float(model_bytes), best, opts, oo)
     except (ProfileError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     shown = [p for p in preds if p.runnable] if runnable else preds
@@ -133,19 +171,21 @@ def plan(ctx, prof, hosts, model_bytes, step_time, overhead, top, runnable, as_j
         click.echo(json.dumps({"source": source, "model_bytes": model_bytes, "step_time_mean": float(comp.mean.min()),
                                "hosts": net.n, "predictions": [p.record() for p in shown],
                                "recommended": best.record(), "runner_up": second.record() if second else None,
-                               "notes": notes}, indent=2))
+                               "low_communication": op.record() if op else None, "notes": notes}, indent=2))
         return
     click.echo(f"{source}, model {model_bytes / 1e6:.1f} MB, step {comp.mean.min():.3f} s"
                f"{f' (spread {comp.std.min():.3f})' if comp.std.any() else ''}; seconds per iteration:")
     click.echo(_table(shown, best, second))
     click.echo(f"\nrecommended: {best.algorithm} on {best.topology} ({best.iter_time_s:.3f} s/iteration, "
-               f"{best.speedup:.2f}x ring All-Reduce; rows within {cfg.plan_tie_fraction:.0%} of the fastest "
+               f"{best.speedup:.2f}x ring All-Reduce; rows within {cfg.plan.tie_fraction:.0%} of the fastest "
                f"are tied and go by a fixed preference)")
     if second:
         click.echo(f"runner-up:   {second.algorithm} on {second.topology} ({second.iter_time_s:.3f} s/iteration)")
     if any(not p.connected for p in shown):
         click.echo("splits: the updates it mixes in steady state do not connect the hosts (never recommended)")
     click.echo("per-iteration time only: the iterations each algorithm needs to reach a loss differ")
+    if op is not None:
+        click.echo(_outer_text(op))
     for n in notes:
         click.echo(f"note: {n}")
     sys.stdout.flush()

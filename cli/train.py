@@ -9,19 +9,23 @@ import click
 import grpc
 
 from cli.daemon_cmds import control_stub, data_dir_option
-
-
-def _line(p, iterations: int, width: int = 28) -> str:
-    done = min(1.0, p.iteration / iterations) if iterations else 0.0
-    bar = "#" * int(done * width) + "-" * (width - int(done * width))
-    metric = f"  {p.metric_name} {p.metric:.3f}" if p.metric_name else ""
-    skipped = f"  skipped {p.skipped}" if p.skipped else ""
-    return (f"[{bar}] it {p.iteration}/{iterations}  loss {p.loss:.4f}{metric}  {p.iterations_per_s:.1f} it/s"
-            f"  mixed with {p.peers_in_last_mix}  gap {p.gap_to_fastest:+d}{skipped}  {p.elapsed_s:.0f}s")
+from cli.live import bits_per_byte, make_view, plain_line
 
 
 @click.command()
-@click.option("--task", default="", help="built-in task: digits, svm, lm")
+@click.option("--task", default="", help="built-in task: digits, digits-wide, svm, lm (tiny, for tests), gpt "
+                                         "(a 25M-parameter byte-level LM on the stdlib's source; docs/real-size.md)")
+@click.option("--model-size", type=click.Choice(["tiny", "small", "base"]), default=None,
+              help="gpt: tiny (0.45M parameters), small (25.5M, the default), base (99.8M)")
+@click.option("--context", type=int, default=None, help="gpt: sequence length in bytes (default: the size's)")
+@click.option("--eval-tokens", type=int, default=None, help="gpt: validation bytes per evaluation")
+@click.option("--batch-size", type=int, default=None, help="sequences (gpt) or samples per step (default: the task's)")
+@click.option("--init", "init_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="start from these model weights (a state_dict or a trainer checkpoint), e.g. a warm start "
+                   "shared by every contender of a benchmark; the same file on every host (its sha256 is "
+                   "part of the run's options, so a host with another file is refused)")
+@click.option("--device", default="auto", show_default=True,
+              help="where this host's trainer computes: auto (CUDA when present), cpu, cuda, cuda:N")
 @click.option("--script", multiple=True, help="run your own script instead (it calls peerd.train.attach()); "
                                               "repeat for its arguments")
 @click.option("--algo", "algorithm", default="hop", show_default=True,
@@ -59,19 +63,39 @@ def _line(p, iterations: int, width: int = 28) -> str:
               help="host: each host runs --iterations; swarm: the hosts together run world x --iterations, "
                    "so a fast host goes on while the slow ones catch up (for asynchronous algorithms: "
                    "netmax, ad-psgd)")
+@click.option("--outer", type=click.Choice(["none", "diloco"]), default="none", show_default=True,
+              help="diloco: the low-communication mode: many inner steps between syncs, outer Nesterov on the "
+                   "mixed models (docs/low-communication.md); --iterations then counts syncs")
+@click.option("--inner-steps", type=int, help="diloco: inner steps per round (a fixed H)")
+@click.option("--round-seconds", type=float,
+              help="diloco: seconds of inner steps per round (a time budget: a slow host takes fewer steps, "
+                   "weighed by its steps in every mix)")
+@click.option("--fragments", type=int, help="diloco: sync the model in this many fragments in turn (streaming)")
+@click.option("--overlap", type=int, help="diloco: inner steps a sync's exchange overlaps")
+@click.option("--outer-lr", type=float, help="diloco: outer learning rate (default 0.7)")
+@click.option("--outer-momentum", type=float, help="diloco: outer Nesterov momentum (default 0.9)")
+@click.option("--compress", type=click.Choice(["none", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="wire codec of model updates; int8/int4 send quantized increments of each host's public "
+                   "copy with error feedback (default: Config.dataplane_compression)")
 @click.option("--eval-every", type=int, default=50, show_default=True, help="evaluate every N iterations")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
-              help="seconds to wait for the other hosts of the run")
+              help="seconds to wait for this host's daemon to answer and for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
+@click.option("--no-progress", is_flag=True, help="plain progress lines even on a terminal (no live view)")
+@click.option("--progress-every", type=float, default=10.0, show_default=True,
+              help="plain mode (not a terminal, or --no-progress): seconds between progress lines")
 @data_dir_option
-def train(task, script, algorithm, model_bytes, topology, world, max_world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
+def train(task, model_size, context, eval_tokens, batch_size, init_path, device, script, algorithm, model_bytes, topology, world, max_world, iterations, seed, non_iid, backup, staleness, skip, max_gap,
           lr, optimizer, slowdown, step_time, slow_prob, slow_factor, trace, budget, eval_every, join_timeout, as_json,
-          data_dir) -> None:
+          no_progress, progress_every, data_dir, **low_comm) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
     The local daemon waits until the run's world is present, starts the trainer (restarting it from
-    its checkpoint if it crashes), drives the chosen sync algorithm and reports progress here.
-    Ctrl+C stops this host's trainer.
+    its checkpoint if it crashes), drives the chosen sync algorithm and reports progress here: on a
+    terminal a progress bar (ETA, loss, evaluation, it/s) and a line per peer (state, iteration gap,
+    link rates); plain lines otherwise. It exits 0 when the run is done, 3 when it ended "degraded"
+    (this host mixed without its neighbours most of the time), 1 when it failed. Ctrl+C stops this
+    host's trainer.
 
     \b
     Joining a run under way: the daemon first asks the live peers what they run.
@@ -86,11 +110,20 @@ def train(task, script, algorithm, model_bytes, topology, world, max_world, iter
     """
     import os
 
+    from peerd.net.wirecheck import strict_json_value
     from peerd.v1 import control_pb2 as cpb
 
     options = {k: str(v) for k, v in dict(backup=backup, staleness=staleness, max_ig=max_gap, lr=lr,
                                           optimizer=optimizer, step_time=step_time,
-                                          slow_prob=slow_prob, slow_factor=slow_factor).items() if v is not None}
+                                          slow_prob=slow_prob, slow_factor=slow_factor, model_size=model_size,
+                                          context=context, eval_tokens=eval_tokens,
+                                          batch_size=batch_size).items() if v is not None}
+    if init_path:
+        options.update(init_options(init_path))
+    if device != "auto":
+        options["device"] = device      # a host's own choice: the daemon must not make it part of the run
+    check_task_options(task, model_size, context, eval_tokens)
+    options.update(low_comm_options(**low_comm))
     if trace:
         options["trace"] = "true"
     if budget != "host":
@@ -105,29 +138,35 @@ def train(task, script, algorithm, model_bytes, topology, world, max_world, iter
                            iterations=iterations, seed=seed, non_iid=non_iid, slowdown=slowdown,
                            options=options, eval_every=eval_every, join_timeout_s=join_timeout,
                            max_world=max_world or 0)
-    channel, stub = control_stub(data_dir)
+    channel, stub = _daemon_when_up(data_dir, join_timeout)
     last = None
-    tty = sys.stderr.isatty() and not as_json
+    tty = sys.stderr.isatty()
+    view = None if as_json else make_view(tty, no_progress, iterations, progress_every, stub, task)
     try:
         for p in stub.Train(req):
             last = p
             if as_json:
-                click.echo(json.dumps({"t": p.wall_time or time.time(), "state": p.state, "iteration": p.iteration,
-                                       "loss": p.loss, "it_per_s": p.iterations_per_s,
-                                       "metric_name": p.metric_name, "metric": p.metric, "rank": p.rank,
-                                       "gap": p.gap_to_fastest, "peers_in_last_mix": p.peers_in_last_mix,
-                                       "elapsed_s": p.elapsed_s, "restarts": p.trainer_restarts,
-                                       "skipped": p.skipped, "message": p.message}), nl=True)
-            elif p.state in ("waiting", "restarting", "failed", "done"):
-                click.echo(("\n" if tty else "") + f"{p.state}: {p.message}", err=True)
-            elif tty:
-                click.echo("\r" + _line(p, iterations), nl=False, err=True)
+                # strict JSON: a diverged trainer's NaN loss is null
+                click.echo(json.dumps(strict_json_value({
+                    "t": p.wall_time or time.time(), "state": p.state, "iteration": p.iteration,
+                    "loss": p.loss, "it_per_s": p.iterations_per_s, "metric_name": p.metric_name, "metric": p.metric,
+                    "rank": p.rank, "gap": p.gap_to_fastest, "peers_in_last_mix": p.peers_in_last_mix,
+                    "elapsed_s": p.elapsed_s, "restarts": p.trainer_restarts, "skipped": p.skipped,
+                    "mixes": p.mixes, "partial_mixes": p.partial_mixes, "message": p.message,
+                    **({"bpb": round(b, 4)} if (b := bits_per_byte(task, p)) is not None else {})}), allow_nan=False),
+                           nl=True)
+            else:
+                view.update(p)
     except grpc.RpcError as e:
+        if view is not None:
+            view.close()
         if e.code() != grpc.StatusCode.CANCELLED:
             raise click.ClickException(f"{e.code().name}: {e.details()}") from None
     except KeyboardInterrupt:
         # Closing the stream is what stops the run: the daemon stops the trainer when its caller
         # leaves. Then exit at once; the interpreter's teardown (gRPC, torch) takes seconds.
+        if view is not None:
+            view.close()
         channel.close()
         click.echo("\nstopping this host's trainer", err=True)
         sys.stdout.flush()
@@ -135,9 +174,75 @@ def train(task, script, algorithm, model_bytes, topology, world, max_world, iter
         os._exit(130)
     finally:
         channel.close()
+    if view is not None:
+        view.close()
     if last is not None and not as_json:
-        click.echo(_line(last, iterations))
-    sys.exit(0 if last is not None and last.state == "done" else 1)
+        click.echo(plain_line(last, iterations, task=task))
+        if last.partial_mixes:
+            click.echo(f"partial mixes: {last.partial_mixes} of {last.mixes} left out a neighbour ({last.partial_note})")
+    # degraded: the run finished, but this host mixed without its neighbours most of the time
+    sys.exit(0 if last is not None and last.state == "done" else 3 if last is not None and last.state == "degraded"
+             else 1)
+
+
+def check_task_options(task: str, model_size, context, eval_tokens) -> None:
+    """Refuse a bad size or an option the task does not take here, not in the trainer."""
+    if task and (model_size or context or eval_tokens):
+        from peerd.train.tasks import get_task
+        try:
+            get_task(task, model_size=model_size, context=context, eval_tokens=eval_tokens)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+
+def init_options(init_path: str) -> dict[str, str]:
+    """--init: the file for the trainer, and its sha256, which makes the hosts' files part of the run."""
+    import hashlib
+    import os
+    h = hashlib.sha256()
+    with open(init_path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return {"init": os.path.abspath(init_path), "init_sha256": h.hexdigest()}
+
+
+def low_comm_options(outer: str, inner_steps, round_seconds, fragments, overlap, outer_lr, outer_momentum,
+                     compress) -> dict[str, str]:
+    """The run options of --outer diloco and --compress, checked here rather than in the trainer."""
+    diloco = dict(inner_steps=inner_steps, round_seconds=round_seconds, fragments=fragments, overlap=overlap,
+                  outer_lr=outer_lr, outer_momentum=outer_momentum)
+    given = {k: v for k, v in diloco.items() if v is not None}
+    out = {"compress": compress} if compress else {}
+    if outer == "none":
+        if given:
+            raise click.UsageError(f"--{next(iter(given)).replace('_', '-')} needs --outer diloco")
+        return out
+    if (inner_steps is None) == (round_seconds is None):
+        raise click.UsageError("--outer diloco needs exactly one of --inner-steps (a fixed H) and --round-seconds")
+    if (inner_steps is not None and inner_steps < 1) or (round_seconds is not None and round_seconds <= 0) \
+            or (fragments is not None and fragments < 1) or (overlap is not None and overlap < 0):
+        raise click.UsageError("--inner-steps, --round-seconds and --fragments must be positive, --overlap >= 0")
+    return {**out, "outer": outer, **{k: str(v) for k, v in given.items()}}
+
+
+def _daemon_when_up(data_dir: str | None, timeout: float):
+    """This host's daemon, waiting up to `timeout` for it to start: `peerd up ... &` followed at once
+    by `peerd train` finds a daemon still starting (about 2 s), not a missing one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            channel, stub = control_stub(data_dir)
+            break
+        except click.ClickException:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(0.1, deadline - time.monotonic()))
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise click.ClickException(f"this host's daemon did not answer within --join-timeout {timeout:g} s") from None
+    return channel, stub
 
 
 ACTIONS = {"pause": "KIND_PAUSE", "resume": "KIND_RESUME", "checkpoint": "KIND_CHECKPOINT", "stop": "KIND_STOP",

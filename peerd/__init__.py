@@ -6,4 +6,4 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+src"
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

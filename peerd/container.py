@@ -66,9 +66,9 @@ class LinkProfile:
 
 def link_profile(cfg: Config) -> LinkProfile:
     """The profile in cfg's shape_* fields; ProfileError names the PEERD_* variable that is wrong."""
-    rate = parse_rate(cfg.shape_rate, "PEERD_SHAPE_RATE") if cfg.shape_rate else None
+    rate = parse_rate(cfg.container.shape_rate, "PEERD_SHAPE_RATE") if cfg.container.shape_rate else None
     to: list[tuple[str, int]] = []
-    for item in cfg.shape_to:
+    for item in cfg.container.shape_to:
         dest, sep, r = item.partition("=")
         dest = dest.strip()
         if not sep or not dest:
@@ -76,10 +76,10 @@ def link_profile(cfg: Config) -> LinkProfile:
         if dest in {d for d, _ in to}:
             raise ProfileError(f"PEERD_SHAPE_TO: destination {dest!r} given twice")
         to.append((dest, parse_rate(r.strip(), f"PEERD_SHAPE_TO ({dest})")))
-    delay = parse_delay(cfg.shape_delay, "PEERD_SHAPE_DELAY") if cfg.shape_delay else 0.0
-    if not cfg.shape_dev or "/" in cfg.shape_dev or len(cfg.shape_dev) > 15:
-        raise ProfileError(f"PEERD_SHAPE_DEV: not an interface name: {cfg.shape_dev!r}")
-    return LinkProfile(cfg.shape_dev, rate, tuple(to), delay)
+    delay = parse_delay(cfg.container.shape_delay, "PEERD_SHAPE_DELAY") if cfg.container.shape_delay else 0.0
+    if not cfg.container.shape_dev or "/" in cfg.container.shape_dev or len(cfg.container.shape_dev) > 15:
+        raise ProfileError(f"PEERD_SHAPE_DEV: not an interface name: {cfg.container.shape_dev!r}")
+    return LinkProfile(cfg.container.shape_dev, rate, tuple(to), delay)
 
 
 def slowdown(env: dict[str, str]) -> float:
@@ -141,7 +141,7 @@ def tc_lines(profile: LinkProfile, classes: list[shaping.DstClass], cfg: Config,
 
 
 def classes(profile: LinkProfile, cfg: Config) -> list[shaping.DstClass]:
-    deadline = time.monotonic() + cfg.shape_resolve_timeout
+    deadline = time.monotonic() + cfg.container.shape_resolve_timeout
     return [shaping.DstClass(rate, resolve(dest, deadline)) for dest, rate in profile.to]
 
 
@@ -152,7 +152,7 @@ def apply(profile: LinkProfile, cfg: Config) -> list[str]:
     if why:
         raise ShapeError(why)
     dst = classes(profile, cfg)
-    t = cfg.shape_cmd_timeout
+    t = cfg.container.shape_cmd_timeout
     clear = ["tc", "qdisc", "del", "dev", profile.dev, "root"]
     try:
         netns.run(clear, t, check=False)  # a restarted container may find its own old root qdisc
@@ -245,16 +245,16 @@ def start(args: list[str], cfg: Config, env: dict[str, str]) -> NoReturn:
         what = describe(profile)
         try:
             for warning in apply(profile, cfg):
-                if cfg.shape_strict:
+                if cfg.container.shape_strict:
                     raise ShapeError(warning)
                 log.warning("%s", warning)
             log.info("link profile applied: %s", what)
         except ShapeError as e:
-            if cfg.shape_strict:
+            if cfg.container.shape_strict:
                 raise ShapeError(f"link profile ({what}) cannot be applied in full: {e}. PEERD_SHAPE_STRICT is set, "
                                  "so peerd is not started") from None
             log.warning("shaping is OFF, peerd starts with an unshaped link: %s. Profile: %s "
                         "(PEERD_SHAPE_STRICT=1 stops the container instead)", e, what)
     if factor != 1:
         log.info("straggler factor %g (PEERD_SLOWDOWN)", factor)
-    exec_peerd(args, drop_privileges(cfg.container_user) if os.geteuid() == 0 else {})
+    exec_peerd(args, drop_privileges(cfg.container.container_user) if os.geteuid() == 0 else {})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from peerd.node import localswarm
 from peerd.node.localswarm import LocalDaemon
 
 # Fast failure detection, and bandwidth probes of at most 1 MB: at the default 64 MB a loopback
@@ -93,22 +94,8 @@ def daemons(tmp_path: Path, request):
 
 
 def control_status(d, timeout: float = 5.0) -> dict | None:
-    """`peerd status --json` of `d`, asked in-process over its control socket: a loaded machine
-    takes seconds just to start the CLI (it imports torch), this takes milliseconds."""
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from peerd.v1 import control_pb2, control_pb2_grpc
-
-    sock = d.data_dir / "peerd.sock"
-    if not sock.exists():
-        return None
-    with grpc.insecure_channel(f"unix://{sock}") as ch:
-        try:
-            reply = control_pb2_grpc.ControlStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return None
-    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """`peerd status --json` of `d`, asked in-process (peerd.node.localswarm.control_status)."""
+    return localswarm.control_status(d.data_dir, timeout)
 
 
 def start_ready(d, timeout: float = 90.0):

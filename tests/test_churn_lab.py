@@ -125,7 +125,7 @@ def test_partition_and_heal_on_two_sites(make_lab):
         for s in streams.values():
             if s.proc.poll() is None:
                 s.proc.kill()
-    bound = DEAD_AFTER + cfg.churn_stall_slack
+    bound = DEAD_AFTER + cfg.lab.churn_stall_slack
     stalls = {h: churn.longest_stall(r, t_cut, t_heal) for h, r in runs.items()}
     print(f"stall per host during the cut: {stalls} (bound {bound} s); consensus distance at heal {apart:.3f}")
     assert max(stalls.values()) < bound, stalls
@@ -138,8 +138,8 @@ def test_partition_and_heal_on_two_sites(make_lab):
     skipped = {h: r[-1].get("skipped", 0) for h, r in runs.items()}
     print(f"sides apart by {drift} iterations at the heal; stall per host after the heal: {healed}; "
           f"iterations skipped per host: {skipped}")
-    assert drift > cfg.hop_max_ig, drift                # the case under test did happen
-    assert max(healed.values()) < cfg.train_silent_peer_timeout, healed
+    assert drift > cfg.sync.hop_max_ig, drift                # the case under test did happen
+    assert max(healed.values()) < cfg.train.silent_peer_timeout, healed
     assert all(skipped[h] > 0 for h in slow), skipped  # the side behind jumped
     for h, r in runs.items():
         assert r[-1]["state"] == "done" and r[-1]["metric"] >= 0.8, (h, r[-1])
@@ -201,9 +201,9 @@ def test_chaos_twenty_kill_restart_cycles_over_six_hosts(make_lab):
     rec["calm_accuracy"] = calm_acc
     print(f"calm run {t1 - t0:.0f} s (in this process), lab and chaos run {time.monotonic() - t1:.0f} s")
     print(json.dumps(rec, indent=1))
-    bound = max(DEAD_AFTER, SILENT) + cfg.churn_stall_slack
+    bound = max(DEAD_AFTER, SILENT) + cfg.lab.churn_stall_slack
     assert len(report.kills) == KILLS, rec
-    assert not rec["not_readmitted"] and rec["readmission_s_max"] <= cfg.churn_readmit_bound, rec
+    assert not rec["not_readmitted"] and rec["readmission_s_max"] <= cfg.lab.churn_readmit_bound, rec
     assert rec["longest_stall_s"] < bound, rec
     assert all(s == "done" for s in report.states.values()), report.states
-    assert min(report.accuracy.values()) >= min(calm_acc.values()) - cfg.chaos_accuracy_margin, rec
+    assert min(report.accuracy.values()) >= min(calm_acc.values()) - cfg.lab.chaos_accuracy_margin, rec

@@ -15,7 +15,7 @@ from peerd.net.dataplane import (AUTH_KEY, CUT_SHORT_DETAILS, PULL_METHOD, PUSH_
                                  grpc_options)
 from peerd.v1 import peer_pb2 as pb
 from peerd.v1 import peer_pb2_grpc as pb_grpc
-from tests.dataplane_harness import nodes, run
+from tests.dataplane_harness import Node, nodes, run
 
 SMALL = Config(dataplane_chunk_bytes=4096, dataplane_stall_timeout=1.0, dataplane_admit_timeout=0.3,
                dataplane_deliver_timeout=1.0)
@@ -104,7 +104,7 @@ def test_concurrent_pushes_to_three_peers():
             # one snapshot to all three at once: checksummed once, verified by each receiver
             snap = Outgoing.of([torch.randn(200_000)])
             await asyncio.gather(*(a.push(p, snap, iteration=6) for p in peers))
-            assert snap.checksum == zlib.crc32(snap.pieces[0])
+            assert snap.checksum == tw.crc32c(snap.pieces)        # the default: the CPU's CRC-32C
             for p in peers:
                 with await take(p) as rec:
                     assert rec.iteration == 6 and same_bytes(rec.tensors()[0], snap.keep[0])
@@ -170,7 +170,7 @@ def test_generated_stub_client_interoperates_with_raw_handlers():
                     assert frame.chunk.offset == len(got)
                     got += frame.chunk.data
             assert header.iteration == 4 and header.sender == "b"
-            assert bytes(got) == data and header.checksum == zlib.crc32(data)
+            assert bytes(got) == data and header.checksum_algo == "crc32c" and header.checksum == tw.crc32c([data])
     run(main())
 
 
@@ -554,4 +554,29 @@ def test_a_transfer_on_a_channel_closed_before_it_began_is_a_transfer_error():
                 with pytest.raises(TransferError) as e:
                     await transfer
                 assert e.value.reason == "cancelled" and "closed" in e.value.details
+    run(main())
+
+
+def test_crc32c_and_crc32_senders_reach_one_receiver_and_a_wrong_crc32c_is_refused():
+    """Each sender checksums with its own setting (crc32c by default, crc32 where set); a receiver
+    checks whichever the header names, and refuses bytes that do not match it."""
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            c = await Node("c", SMALL.replace(dataplane_checksum="crc32"), "run1").start()
+            try:
+                for sender, algo in ((a, "crc32c"), (c, "crc32")):
+                    t = torch.randn(50_000)
+                    await sender.push(b, [t], iteration=1)
+                    with await take(b) as rec:
+                        assert same_bytes(rec.tensors()[0], t) and sender.dp.checksum_algo == algo
+                data = bytes(range(256)) * 64
+                header = pb.TensorHeader(sender="a", run_id="run1", tensors=tw.Layout.flat(len(data)).to_proto(),
+                                         total_bytes=len(data), wire_bytes=len(data), checksum_algo="crc32c",
+                                         checksum=tw.crc32c([data]) ^ 1, kind="model", transfer_id=7)
+                frames = [tw.encode_header(header), *tw.encode_chunks([memoryview(data)], 4096)]
+                code, details = await raw_push(a.channel(b), frames)
+                assert code == grpc.StatusCode.DATA_LOSS and "crc32c" in details
+                assert b.dp.rejected["checksum"] == 1 and b.inbox.empty()
+            finally:
+                await c.stop()
     run(main())

@@ -142,7 +142,7 @@ def test_fuzz_live_server_then_correct_transfer():
             ok = codes.get(grpc.StatusCode.OK, 0)
             assert ok > 40 and calls - ok > 200, codes
             assert sum(b.dp.rejected.values()) >= calls - ok
-            assert b.dp.budget.used_total == 0 and b.dp.pool.idle_bytes <= CFG.dataplane_pool_bytes
+            assert b.dp.budget.used_total == 0 and b.dp.pool.idle_bytes <= CFG.dataplane.pool_bytes
             assert not b.dp._server_active
             x = torch.randn(100_000)
             await a.push(b, [x], iteration=99)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from peerd import PROTOCOL_VERSION
 from tests.mdns_rogue import rogues
 from tests.netns_lab import NetnsLab, lab_available, readline, rest
 
@@ -61,7 +62,7 @@ def test_daemons_find_each_other_and_ignore_rogue_records(lab):
         for node, j in others.items():
             c = cands[node]
             assert c["addresses"] == [f"{lab.ips[j]}:{7000 + j}"]
-            assert c["run_id"] == run_id and c["protocol_version"] == 1
+            assert c["run_id"] == run_id and c["protocol_version"] == PROTOCOL_VERSION
             assert c["capabilities"]["device_kind"] == "cpu"
             assert isinstance(c["capabilities"]["cpu_count"], int)
             print(f"{ids[i]} discovered {node} at t={c['t']:.3f} s after start")
@@ -210,7 +211,7 @@ def test_late_joiner_and_standard_dns_tools_see_the_service(lab2):
         answers[rtype] = r.stdout
     assert "node-a._peerd._tcp.local." in answers["PTR"]
     assert "7070 peerd-node-a.local." in answers["SRV"]
-    assert '"id=node-a" "v=1" "run=r1" "dev=mps"' in answers["TXT"]
+    assert f'"id=node-a" "v={PROTOCOL_VERSION}" "run=r1" "dev=mps"' in answers["TXT"]
     rest(b, 10)
     rest(a, 10)
 

@@ -72,8 +72,8 @@ def test_image_default_command_follows_the_contract():
     cfg = load_config(command, env={})
     env = dict(kv.split("=", 1) for word, rest in dockerfile_instructions() if word == "ENV"
                for kv in rest.split())
-    assert cfg.data_dir == env["PEERD_DATA_DIR"] == "/data"  # `peerd status` finds the same socket
-    assert cfg.secret_file == "/run/secrets/peerd_secret"
+    assert cfg.node.data_dir == env["PEERD_DATA_DIR"] == "/data"  # `peerd status` finds the same socket
+    assert cfg.node.secret_file == "/run/secrets/peerd_secret"
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
@@ -99,23 +99,23 @@ def test_containers_run_peerd_up_with_the_lab_contract(combo):
         assert not unknown, f"{name}: PEERD_* variables that are no Config field: {unknown}"
         assert "PEERD_SECRET" not in env, f"{name}: the secret must come as a compose secret"
         cfg = load_config(command, env)
-        assert cfg.data_dir in {v["target"] for v in svc["volumes"]}, f"{name}: data dir is not a volume"
-        assert cfg.secret_file in {s["target"] for s in svc["secrets"]}, f"{name}: secret not mounted"
+        assert cfg.node.data_dir in {v["target"] for v in svc["volumes"]}, f"{name}: data dir is not a volume"
+        assert cfg.node.secret_file in {s["target"] for s in svc["secrets"]}, f"{name}: secret not mounted"
         assert float(env.get("PEERD_SLOWDOWN", "1")) >= 1.0
         if svc.get("network_mode") == "host":
             # One container per machine: the machine's own address and seeds come from the shell.
-            assert cfg.listen == HOST_ENV["PEERD_LISTEN"]
-            assert cfg.advertise_address == HOST_ENV["PEERD_ADVERTISE_ADDRESS"]
-            assert cfg.peers == tuple(HOST_ENV["PEERD_PEERS"].split(","))
+            assert cfg.node.listen == HOST_ENV["PEERD_LISTEN"]
+            assert cfg.node.advertise_address == HOST_ENV["PEERD_ADVERTISE_ADDRESS"]
+            assert cfg.node.peers == tuple(HOST_ENV["PEERD_PEERS"].split(","))
             continue
-        port = cfg.listen.rsplit(":", 1)[1]
-        for seed in cfg.peers:
+        port = cfg.node.listen.rsplit(":", 1)[1]
+        for seed in cfg.node.peers:
             host, seed_port = seed.rsplit(":", 1)
             assert host in hostnames and host != svc.get("hostname"), f"{name}: seed {seed} is no other peer"
             seed_cfg = load_config(services[hostnames[host]]["command"], service_env(services[hostnames[host]]))
-            assert seed_cfg.listen.rsplit(":", 1)[1] == seed_port, f"{name}: seed {seed} has the wrong port"
-        if cfg.advertise_address:
-            assert cfg.advertise_address == f"{svc['hostname']}:{port}", f"{name}: advertises another name"
+            assert seed_cfg.node.listen.rsplit(":", 1)[1] == seed_port, f"{name}: seed {seed} has the wrong port"
+        if cfg.node.advertise_address:
+            assert cfg.node.advertise_address == f"{svc['hostname']}:{port}", f"{name}: advertises another name"
 
 
 # A link profile and straggler factor for every trial service, as the walkthrough sets them.
@@ -131,7 +131,7 @@ def test_link_profiles_and_stragglers_reach_each_service():
     for name, svc in services.items():
         cfg = load_config(svc["command"], service_env(svc))
         profile = container_mod.link_profile(cfg)
-        got[name] = (profile, container_mod.slowdown(service_env(svc)), cfg.shape_strict)
+        got[name] = (profile, container_mod.slowdown(service_env(svc)), cfg.container.shape_strict)
         for dest, _ in profile.to:  # a destination is another service, or an address/prefix
             assert dest in names - {name, svc.get("hostname")} or dest[0].isdigit(), f"{name}: {dest}"
         if not profile.empty:
@@ -147,7 +147,7 @@ def test_link_profiles_and_stragglers_reach_each_service():
     unset = resolved(*COMBOS[1])["services"]
     for name, svc in unset.items():  # nothing set: no shaping, not strict
         cfg = load_config(svc["command"], service_env(svc))
-        assert container_mod.link_profile(cfg).empty and not cfg.shape_strict, name
+        assert container_mod.link_profile(cfg).empty and not cfg.container.shape_strict, name
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)

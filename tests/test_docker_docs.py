@@ -1,6 +1,7 @@
-"""The "## Docker" walkthrough in README.md runs against
-the real files: every command in it is taken apart and checked with the Compose v2 binary, the
-Dockerfile and the peerd CLI, so the text cannot drift from docker/."""
+"""The Docker page, docs/docker.md (or, without it, the "## Docker" section of README.md), runs
+against the real files: every command in it is taken apart and checked with the Compose v2 binary,
+the Dockerfile, the peerd CLI and the tests' own base-image recipe, so the text cannot drift from
+docker/ or from what tests/test_docker_engine.py runs."""
 from __future__ import annotations
 
 import functools
@@ -13,27 +14,39 @@ from cli import container as container_cli
 from peerd import config as config_mod
 from peerd import container as container_mod
 from peerd.lab.profile import ProfileError
+from tests.docker_engine import base_recipe
 from tests.docker_files import (DOCKER, ROOT, compose, dockerfile_args, dockerfile_exec_form, parse_peerd,
                                 resolved, shell_commands)
 
 HEADING = re.compile(r"^## Docker[ \t]*$", re.M)
-PROGRAMS = {"docker", "peerd", "openssl", "chmod"}
+PAGE = ROOT / "docs" / "docker.md"
+PROGRAMS = {"docker", "peerd", "openssl", "chmod", "debootstrap", "tar"}
+
+
+def readme_section() -> str:
+    """The README's "## Docker" section, if it has one ("" otherwise)."""
+    text = (ROOT / "README.md").read_text()
+    m = HEADING.search(text)
+    if not m:
+        return ""
+    end = re.compile(r"^## ", re.M).search(text, m.start() + 3)
+    return text[m.start():end.start() if end else len(text)]
 
 
 def docker_section() -> str:
-    homes = [p for p in (ROOT / "README.md", ROOT / "docs" / "docker.md")
-             if p.exists() and HEADING.search(p.read_text())]
-    assert homes, "no '## Docker' section in README.md or docs/docker.md"
-    text = homes[0].read_text()
-    start = HEADING.search(text).start()
-    end = re.compile(r"^## ", re.M).search(text, start + 3)
-    return text[start:end.start() if end else len(text)]
+    """The Docker page: docs/docker.md, else the README's section."""
+    if PAGE.exists():
+        return PAGE.read_text()
+    assert readme_section(), "no docs/docker.md, and no '## Docker' section in README.md"
+    return readme_section()
 
 
 def commands() -> list[list[str]]:
-    """Each simple command of the section: `a && b` split, redirections and VAR=value kept apart."""
+    """Each simple command of the page and of the README's Docker section: `a && b` split,
+    redirections and VAR=value kept apart."""
     out = []
-    for argv in shell_commands(docker_section()):
+    texts = [docker_section()] + ([readme_section()] if PAGE.exists() and readme_section() else [])
+    for argv in (a for text in texts for a in shell_commands(text)):
         cur: list[str] = []
         for tok in argv + ["&&"]:
             if tok in ("&&", ";", "||", "|"):
@@ -120,8 +133,9 @@ def check_docker_compose(env: dict[str, str], argv: list[str], line: str) -> Non
 def check_docker_build(argv: list[str], line: str) -> None:
     assert argv[-1] == ".", f"{line}: build from the repository root (context `.`)"
     opts = list(zip(argv[:-1:2], argv[1:-1:2]))
-    assert len(argv) % 2 == 1 and all(k in ("-f", "-t", "--build-arg") for k, _ in opts), \
-        f"{line}: only -f, -t and --build-arg are checked"
+    assert len(argv) % 2 == 1 and all(k in ("-f", "-t", "--build-arg", "--network") for k, _ in opts), \
+        f"{line}: only -f, -t, --build-arg and --network are checked"
+    assert all(v == "host" for k, v in opts if k == "--network"), f"{line}: --network host or none"
     assert ("-f", "docker/Dockerfile") in opts, f"{line}: -f docker/Dockerfile"
     image = resolved(("docker/compose.yaml",))["services"]["peer1"]["image"]
     assert ("-t", image) in opts, f"{line}: tag it {image}, the image the compose files use"
@@ -129,8 +143,25 @@ def check_docker_build(argv: list[str], line: str) -> None:
         assert name in dockerfile_args(), f"{line}: the Dockerfile has no ARG {name}"
 
 
+def check_base_image(steps: dict[str, list[str]], bases: set[str]) -> None:
+    """The "Without a registry" recipe: debootstrap exactly as the tests make their base image,
+    tar of that directory into `docker import`, and a build that uses the imported tag."""
+    deboot, tar, imp = steps.get("debootstrap"), steps.get("tar"), steps.get("import")
+    assert deboot and tar and imp, "the page does not show how to make a base image without a registry"
+    recipe = base_recipe()
+    assert deboot[1:1 + len(recipe)] == recipe and len(deboot) == len(recipe) + 3, \
+        f"debootstrap {deboot[1:]}: not the recipe the tests build with ({' '.join(recipe)} DIR MIRROR)"
+    target, mirror = deboot[-2:]
+    assert mirror.startswith(("http://", "https://")), f"debootstrap: {mirror} is no mirror URL"
+    assert tar[tar.index("-C") + 1] == target and tar[-1] == "." and "--numeric-owner" in tar, tar
+    assert imp[:3] == ["docker", "import", "-"] and len(imp) == 4, imp
+    assert imp[3] in bases, f"no build uses the imported base {imp[3]} (BASE_IMAGE={bases})"
+
+
 def test_walkthrough_commands_match_the_files():
     seen = {"compose": set(), "build": 0}
+    steps: dict[str, list[str]] = {}
+    bases: set[str] = set()
     for argv in commands():
         line = " ".join(argv)
         env, argv = split_env(argv)
@@ -144,18 +175,24 @@ def test_walkthrough_commands_match_the_files():
         elif argv[:2] == ["docker", "build"]:
             check_docker_build(argv[2:], line)
             seen["build"] += 1
+            bases.update(a.split("=", 1)[1] for a in argv if a.startswith("BASE_IMAGE="))
+        elif argv[:2] == ["docker", "import"]:
+            steps["import"] = argv
+        elif argv[0] in ("debootstrap", "tar"):
+            steps[argv[0]] = argv
         else:
-            assert argv[0] != "docker", f"{line}: only `docker build` and `docker compose` are checked"
+            assert argv[0] != "docker", f"{line}: only `docker build`, `import` and `compose` are checked"
     files = {f"docker/{p.name}" for p in DOCKER.glob("*.yaml")}
     assert seen["compose"] == files, f"compose files never used in the walkthrough: {files - seen['compose']}"
     assert seen["build"], "the walkthrough never builds the image"
+    check_base_image(steps, bases)
 
 
 def test_walkthrough_documents_every_build_argument_and_says_how_it_is_checked():
     section = docker_section()
     for arg in dockerfile_args():
         assert f"`{arg}`" in section, f"build argument {arg} is not documented"
-    assert "validated statically in CI" in section
+    assert "on a real Docker Engine in CI" in section and "tests/test_docker_engine.py" in section
     for must in ("cap_add: [NET_ADMIN]", "PEERD_SHAPE_STRICT", "shaping is OFF", "netem"):
         assert must in section, f"the walkthrough does not say {must!r}"
     for var in re.findall(r"\$\{((?:PEER\d|EXTRA)_LINK_\w+)", (DOCKER / "compose.yaml").read_text()):

@@ -11,7 +11,6 @@ import re
 import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -28,11 +27,12 @@ from peerd.net.auth import Authenticator, RefusalGate
 from peerd.net.dataplane import PUSH_METHOD, DataPlane, Outgoing, TransferError, grpc_options
 from peerd.node.localswarm import peerd_cmd
 from peerd.node.offences import PeerOffences
-from peerd.node.training import wire_layout
+from peerd.node.run.mixer import wire_layout
 from peerd.train.flat import flatten_module
 from peerd.train.tasks import get_task
 from peerd.v1 import peer_pb2 as pb
-from tests.daemons import SECRET, control_status, start_ready, wait_for
+from tests.daemons import control_status, start_ready, wait_for
+from tests.members import as_daemon, member
 
 PING = "/peerd.v1.Peer/Ping"
 HELLO = "/peerd.v1.Peer/SayHello"
@@ -99,12 +99,12 @@ def test_peer_offences_flag_after_threshold_then_readmit():
 
 def _hammer(address: str, calls: int, sign, codes: list, lock: threading.Lock) -> None:
     with grpc.insecure_channel(address) as ch:
-        stub = ch.unary_unary(PING, request_serializer=pb.PingRequest.SerializeToString,
-                              response_deserializer=pb.PingReply.FromString)
+        stub = ch.unary_unary(PING)
         mine = []
         for i in range(calls):
+            body = pb.PingRequest(nonce=i).SerializeToString()
             try:
-                stub(pb.PingRequest(nonce=i), metadata=sign(i), timeout=5)
+                stub(body, metadata=sign(i, body), timeout=5)
                 mine.append("OK")
             except grpc.RpcError as e:
                 mine.append(e.code().name)
@@ -130,12 +130,12 @@ def test_flood_without_the_secret_costs_bounded_work_and_peers_still_transfer(da
     d = start_ready(daemons("target", start=False, extra=[
         "--auth-refusal-burst", str(burst), "--auth-refusal-rate", str(rate), "--auth-max-sources", str(sources),
         "--auth-log-every", "3600"]))
-    wrong = Authenticator(b"not-the-cluster-secret-at-all", "x")
+    wrong_a, wrong_b = member(WRONG), member(WRONG)
     signers = {
-        "none": lambda i: None,                                                   # no credentials
-        "wrong-a": lambda i: _as(wrong, "flood-a").sign(PING),                    # wrong secret
-        "wrong-b": lambda i: _as(wrong, "flood-b").sign(PING),
-        "random-ids": lambda i: _as(wrong, f"r{i}-{uuid.uuid4().hex[:6]}").sign(PING),  # new id per call
+        "none": lambda i, body: None,                                             # no credentials
+        "wrong-a": lambda i, body: wrong_a.sign(PING, d.node_id, body),           # wrong secret
+        "wrong-b": lambda i, body: wrong_b.sign(PING, d.node_id, body),
+        "random-ids": lambda i, body: member(WRONG).sign(PING, d.node_id, body),  # new key per call
     }
     calls = {"none": 600, "wrong-a": 600, "wrong-b": 600, "random-ids": 200}
     cpu0, rss0 = _cpu_seconds(d.proc.pid), _rss_mb(d.proc.pid)
@@ -153,7 +153,7 @@ def test_flood_without_the_secret_costs_bounded_work_and_peers_still_transfer(da
     total = sum(calls.values())
     assert sum(len(v) for v in results.values()) == total
     assert {c for v in results.values() for c in v} <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}
-    # A fixed (address, claim) pays for at most its burst plus what it earned back meanwhile.
+    # A connection pays for at most its burst plus what it earned back meanwhile.
     for k in ("wrong-a", "wrong-b"):
         assert results[k].count("UNAUTHENTICATED") <= burst + rate * elapsed + 1, (k, elapsed)
         assert results[k].count("RESOURCE_EXHAUSTED") >= calls[k] - burst - rate * elapsed - 1
@@ -168,23 +168,22 @@ def test_flood_without_the_secret_costs_bounded_work_and_peers_still_transfer(da
     print(f"\nflood: {total} calls in {elapsed:.1f}s, {refused} verified and refused, {limited} rate-limited "
           f"unverified; daemon CPU {cpu:.2f}s ({cpu / total * 1e6:.0f} us/call), RSS {rss0:.0f} -> {rss:.0f} MB")
     # An authenticated peer (same address, its own id) still moves tensors and gets answers.
-    result = asyncio.run(_push(d, "honest", Outgoing.of([torch.arange(1 << 20, dtype=torch.float32)]), "probe", 1))
+    result = asyncio.run(_push(d, member(), Outgoing.of([torch.arange(1 << 20, dtype=torch.float32)]), "probe", 1))
     assert result.nbytes == 4 << 20
     other = start_ready(daemons("honest-daemon", seeds=[d.address], start=False))
     wait_for(lambda: states(d).get(other.node_id) == "alive", 30, "an honest daemon admitted after the flood")
 
 
-def _as(auth: Authenticator, node: str) -> Authenticator:
-    a = Authenticator(auth._secret, node)
-    return a
+WRONG = "not-the-cluster-secret-at-all"
 
 
-async def _push(d, node: str, data: Outgoing, kind: str, iteration: int, metadata=None, cfg: Config | None = None):
+async def _push(d, auth: Authenticator, data: Outgoing, kind: str, iteration: int, metadata=None,
+                cfg: Config | None = None):
     cfg = cfg or Config()
-    dp = DataPlane(cfg, node, "default", on_received=lambda r: r.release())
+    dp = DataPlane(cfg, auth.node_id, "default", on_received=lambda r: r.release())
     channel = grpc.aio.insecure_channel(d.address, options=grpc_options(cfg))
     try:
-        md = metadata if metadata is not None else Authenticator(SECRET.encode(), node).sign(PUSH_METHOD)
+        md = metadata if metadata is not None else auth.sign(PUSH_METHOD, d.node_id, None)
         return await dp.push(channel, d.node_id, data, metadata=md, iteration=iteration, kind=kind)
     finally:
         await channel.close()
@@ -196,24 +195,23 @@ async def _push(d, node: str, data: Outgoing, kind: str, iteration: int, metadat
 @pytest.mark.slow
 def test_replayed_hello_and_replayed_push_are_refused(daemons):
     d = start_ready(daemons("target", start=False))
-    auth = Authenticator(SECRET.encode(), "replayer")
-    hello = pb.Hello(node_id="replayer", protocol_version=PROTOCOL_VERSION, run_id="default",
-                     address="127.0.0.1:9", incarnation=1)
-    md = auth.sign(HELLO)
+    auth = member()
+    hello = pb.Hello(node_id=auth.node_id, protocol_version=PROTOCOL_VERSION, run_id="default",
+                     address="127.0.0.1:9", incarnation=1).SerializeToString()
+    md = auth.sign(HELLO, d.node_id, hello)
     with grpc.insecure_channel(d.address) as ch:
-        stub = ch.unary_unary(HELLO, request_serializer=pb.Hello.SerializeToString,
-                              response_deserializer=pb.HelloReply.FromString)
+        stub = ch.unary_unary(HELLO, response_deserializer=pb.HelloReply.FromString)
         assert stub(hello, metadata=md, timeout=5).node.node_id == d.node_id
         with pytest.raises(grpc.RpcError) as e:
             stub(hello, metadata=md, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.value.details()
     data = Outgoing.of([torch.ones(1000)])
-    md = auth.sign(PUSH_METHOD)
-    asyncio.run(_push(d, "replayer", data, "probe", 1, metadata=md))
+    md = auth.sign(PUSH_METHOD, d.node_id, None)
+    asyncio.run(_push(d, auth, data, "probe", 1, metadata=md))
     with pytest.raises(TransferError) as e:
-        asyncio.run(_push(d, "replayer", data, "probe", 1, metadata=md))
+        asyncio.run(_push(d, auth, data, "probe", 1, metadata=md))
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.value.details
-    assert asyncio.run(_push(d, "replayer", data, "probe", 2)).nbytes == 4000   # a fresh push still works
+    assert asyncio.run(_push(d, auth, data, "probe", 2)).nbytes == 4000   # a fresh push still works
     assert int(control_status(d)["refused_calls"]) == 2
 
 
@@ -262,8 +260,10 @@ def test_bad_updates_are_dropped_counted_and_the_peer_flagged_then_readmitted(da
                 fill(flat.layout.typed(buf)[0])
             return Outgoing.from_buffer(buf, wire)
 
+        as_b = as_daemon(b.data_dir)
+
         def send(data: Outgoing, k: int):
-            return asyncio.run(_push(a, b.node_id, data, kind, k))   # signed as B: it has the secret
+            return asyncio.run(_push(a, as_b, data, kind, k))   # signed with B's key (its data dir is ours)
 
         # 1. another layout: refused at the header, naming the first difference
         first = wire.specs[0]
@@ -350,16 +350,15 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one_and_training_goes_on
         subprocess.run(["umount", "-l", str(mnt)], timeout=20)
 
 
-# --- the README's failure model names real bounds ------------------------------------------------
+# --- the failure model (docs/failure-model.md) names real bounds ---------------------------------
 
 def test_readme_failure_model_names_config_fields_with_their_defaults():
     from peerd.config import FIELDS
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Failure model", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).resolve().parents[1] / "docs" / "failure-model.md").read_text()
     named = re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`(?: \(([^)]*)\))?", section)
     assert len(named) >= 20
     for name, given in named:
-        assert name in FIELDS, f"README failure model names {name!r}, which is not a Config field"
+        assert name in FIELDS, f"docs/failure-model.md names {name!r}, which is not a Config field"
         plain = re.fullmatch(r"([\d ]+(?:\.\d+)?(?:e\d+)?)(?: s)?", given or "")
         if plain:
             assert float(plain.group(1).replace(" ", "")) == float(FIELDS[name].default), (name, given)

@@ -1,11 +1,11 @@
-"""The pure parts of joining a run (peerd/node/joining.py): the shared spec and its tag, the first
+"""The pure parts of joining a run (peerd/node/run/joining.py): the shared spec and its tag, the first
 difference named, and the member-table rule that keeps two joiners off one rank."""
 from __future__ import annotations
 
 import dataclasses
 
-from peerd.node.joining import first_difference, give_back, run_tag, shared_spec, take
-from peerd.node.training import RunSpec
+from peerd.node.run.joining import give_back, take
+from peerd.node.run.spec import RunSpec, first_difference, run_tag, shared_spec
 
 SPEC = RunSpec("digits", "hop", "ring", 4, 300, 0, False, 1.0, {"lr": "0.1"}, [], 50, 60.0, 8)
 FOUNDERS = ["a", "b", "c", "d"]
@@ -67,7 +67,7 @@ def test_world_is_ranked_by_site_then_node_id():
     crosses between the sites twice), the same on every host; no labels: node id order as before."""
     import types
 
-    from peerd.node.training import form_world
+    from peerd.node.run.joining import form_world
 
     def daemon(me: str, sites: dict[str, str]):
         members = {n: types.SimpleNamespace(capabilities={"site": s}) for n, s in sites.items() if n != me}
@@ -93,7 +93,7 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
     import types
 
     from peerd.config import Config
-    from peerd.node import joining
+    from peerd.node.run import joining
     from peerd.v1 import peer_pb2 as pb
 
     access = {"a": 1e9, "b": 1e7, "c": 1e7, "d": 1e9}
@@ -102,30 +102,31 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
 
     def daemon(me: str, cfg: Config):
         others = {n: types.SimpleNamespace(capabilities={}) for n in access if n != me}
-        return types.SimpleNamespace(node_id=me, caps={}, cfg=cfg, rankings={}, training=None,
+        return types.SimpleNamespace(node_id=me, caps={}, cfg=cfg, rankings=joining.Rankings(),
                                      membership=types.SimpleNamespace(alive=lambda: sorted(others), get=others.get),
                                      link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": list(links)}))
     hosts = {n: daemon(n, Config()) for n in access}
 
     async def describe(asker, node, founders=None, algorithm=""):      # DescribeRun, answered in-process
-        return joining.run_info(hosts[node], pb.RunQuery(sender=asker.node_id, founders=founders or [],
-                                                         algorithm=algorithm))
+        host = hosts[node]
+        return joining.run_info(host, host.rankings, None, pb.RunQuery(sender=asker.node_id, founders=founders or [],
+                                                                       algorithm=algorithm))
     monkeypatch.setattr(joining, "describe", describe)
     spec = dataclasses.replace(SPEC, max_world=6)
     spread = ["b", "d", "c", "a", "", ""]                 # slowest first, then fast, slow, fast
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], spec)) == (spread, "")
+        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec)) == (spread, "")
     netmax = dataclasses.replace(spec, algorithm="netmax")  # asynchronous: slow hosts are not spread
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], netmax)) == (["a", "b", "c", "d", "", ""], "")
+        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, netmax)) == (["a", "b", "c", "d", "", ""], "")
     links[:] = [dict(e, capacity_bytes_s=1e8) for e in links]   # a's links now read uniform
-    assert asyncio.run(joining.place(hosts["c"], spec)) == (spread, "")
+    assert asyncio.run(joining.place(hosts["c"], hosts["c"].rankings, spec)) == (spread, "")
 
     hosts["a"] = daemon("a", Config().replace(train_spread_slow_hosts=False))
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], spec)) == (["a", "b", "c", "d", "", ""], "")
+        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec)) == (["a", "b", "c", "d", "", ""], "")
 
     async def older(asker, node, founders=None, algorithm=""):
         return pb.RunInfo(active=False, iteration=-1)
     monkeypatch.setattr(joining, "describe", older)
-    assert asyncio.run(joining.place(hosts["d"], spec)) == (["a", "b", "c", "d", "", ""], "")
+    assert asyncio.run(joining.place(hosts["d"], hosts["d"].rankings, spec)) == (["a", "b", "c", "d", "", ""], "")

@@ -70,6 +70,11 @@ def test_rates(rate, bps):
      'loss = 1.5\n', None, "site_links[0].loss"),
     ('hosts = 2\n[sites.a]\nhosts = ["h1"]\n[sites.b]\nhosts = ["h2"]\n[[site_links]]\nsites = ["a", "b"]\n'
      '[[site_links]]\nsites = ["b", "a"]\n', None, "site_links[1].sites"),
+    ('hosts = 2\n[sites.a]\nhosts = ["h1"]\nnat = true\n[sites.b]\nhosts = ["h2"]\n', None, "sites.a.nat"),
+    ('hosts = 2\n[sites.a]\nhosts = ["h1", "h2"]\nnat = true\n', None, "sites.a.nat"),
+    ('hosts = 2\n[sites.a]\nhosts = ["h1"]\n[sites.b]\nhosts = ["h2"]\nnat = "yes"\n', None, "sites.b.nat"),
+    ('hosts = 2\n[host.h2]\nrelay = true\n[sites.a]\nhosts = ["h1"]\n[sites.b]\nhosts = ["h2"]\nnat = true\n',
+     None, "host.h2.relay"),
 ])
 def test_refusals_name_the_field(text, n, field):
     with pytest.raises(P.ProfileError) as e:
@@ -87,3 +92,9 @@ def test_cli_refuses_a_bad_profile_naming_the_field(tmp_path):
     assert not (tmp_path / "lab").exists()
     res = CliRunner().invoke(lab_cli, ["up", "--profile", "no-such-profile", "--dir", str(tmp_path / "lab")])
     assert res.exit_code != 0 and "--profile" in res.output
+
+
+def test_nat_sites_and_relays():
+    prof = P.load("three-sites-nat")
+    assert prof.nat_sites == ("b", "c") and [h.relay for h in prof.hosts] == [True, False, False]
+    assert P.load("two-sites-nat").nat_sites == ("b",) and P.load("two-sites").nat_sites == ()

@@ -74,8 +74,8 @@ def test_first_probes_are_immediate_and_age_counts_from_the_last_sample():
     t = LinkTable("a", CFG)
     t.add_peer("b")
     probes = {p.kind: p for p in t.due_probes(100.0)}
-    assert probes[RTT].size_bytes == CFG.link_ping_bytes
-    assert probes[BW].size_bytes == CFG.link_probe_min_bytes
+    assert probes[RTT].size_bytes == CFG.links.ping_bytes
+    assert probes[BW].size_bytes == CFG.links.probe_min_bytes
     assert t.due_probes(100.0) == []                      # in flight: not handed out twice
     t.observe_rtt("b", 0.02, 100.5)
     assert t.estimate("b").age(103.0) == pytest.approx(2.5)
@@ -103,12 +103,12 @@ def test_probe_size_and_period_formula():
     bw, rtt = 1.25e6, 0.05                               # 10 Mbit/s, 50 ms
     steady(t, "b", bw, rtt)
     s = t.probe_size("b")
-    assert s == pytest.approx(bw * max(CFG.link_probe_seconds, CFG.link_probe_rtts * rtt), rel=0.01)
-    assert t.bw_period("b") == pytest.approx(max(CFG.link_bw_interval, s / bw / CFG.link_probe_budget), rel=0.01)
+    assert s == pytest.approx(bw * max(CFG.links.probe_seconds, CFG.links.probe_rtts * rtt), rel=0.01)
+    assert t.bw_period("b") == pytest.approx(max(CFG.links.bw_interval, s / bw / CFG.links.probe_budget), rel=0.01)
     t2 = LinkTable("a", CFG)
     t2.add_peer("b")
     steady(t2, "b", 1.25e9, 0.0002)                      # 10 Gbit/s: capped at link_probe_max_bytes
-    assert t2.probe_size("b") == CFG.link_probe_max_bytes
+    assert t2.probe_size("b") == CFG.links.probe_max_bytes
 
 
 @pytest.mark.parametrize("bw,rtt", [(1.25e5, 0.3), (1.25e6, 0.05), (1.25e8, 0.25), (1.25e9, 0.0002)])
@@ -121,7 +121,7 @@ def test_warm_up_reaches_the_true_bandwidth_from_a_short_first_probe(bw, rtt):
             run(t, p, bw, rtt, now)
         now = t.next_due(now)
     n = t.estimate("b").bw.n
-    assert CFG.link_warmup_samples <= n <= 6                  # short probes grow ~16x per step
+    assert CFG.links.warmup_samples <= n <= 6                  # short probes grow ~16x per step
     assert t.estimate("b").bw.mean == pytest.approx(bw, rel=0.02)
 
 
@@ -138,7 +138,7 @@ def test_queueing_delay_does_not_inflate_probes_but_a_new_path_does_count():
     assert t.probe_size("b") == size
     t.observe_transfer("b", 1_000_000, 0.002 + 1.0, now)   # the RTT taken off is the path's
     assert est.bw.mean == pytest.approx(1e6, rel=0.01)
-    now += CFG.link_rtt_min_window + 1                      # a longer path for good
+    now += CFG.links.rtt_min_window + 1                      # a longer path for good
     t.observe_rtt("b", 0.05, now)
     assert est.base_rtt == 0.05
 
@@ -148,7 +148,7 @@ def test_the_base_rtt_is_the_least_of_its_window_not_the_newest_sample():
     become the base RTT: a transfer would then read fast, and the capacity keeps its highest."""
     t = LinkTable("a", CFG)
     t.add_peer("b")
-    w = CFG.link_rtt_min_window
+    w = CFG.links.rtt_min_window
     for at, rtt in ((0.0, 0.002), (w / 3, 0.02), (w / 2, 0.01), (w + 1, 0.3)):
         t.observe_rtt("b", rtt, at, probe=False)
     est = t.estimate("b")
@@ -177,7 +177,7 @@ def test_warm_up_keeps_the_highest_trusted_probe_grows_until_flat_then_averages(
     size = 2_000_000
     # Trusted samples: the link alone, sharing a bottleneck with another host's probe (half), ...
     for share in (0.5, 1.0, 0.5, 0.5):
-        now += CFG.link_min_probe_gap
+        now += CFG.links.min_probe_gap
         assert BW in {p.kind for p in t.due_probes(now)}              # still warming up
         t.observe_transfer("b", size, rtt + size / (bw * share), now, probe=True)
         assert est.bw.mean == pytest.approx(bw if share == 1.0 or est.bw.n > 2 else bw * share, rel=0.01)
@@ -185,13 +185,13 @@ def test_warm_up_keeps_the_highest_trusted_probe_grows_until_flat_then_averages(
             assert t.probe_size("b") >= 2 * size                      # is the rate still rising?
     # ... two trusted probes in a row that did not read faster: warm-up is over, sizes follow B.
     assert est.bw.n == 4 and est.bw.mean == pytest.approx(bw, rel=0.01)
-    assert t.probe_size("b") == pytest.approx(bw * max(CFG.link_probe_seconds, CFG.link_probe_rtts * rtt), rel=0.01)
-    now += CFG.link_min_probe_gap
+    assert t.probe_size("b") == pytest.approx(bw * max(CFG.links.probe_seconds, CFG.links.probe_rtts * rtt), rel=0.01)
+    now += CFG.links.min_probe_gap
     t.observe_transfer("b", size, rtt + size / (bw / 2), now, probe=True)   # after warm-up: averaged
-    assert est.bw.mean == pytest.approx(bw * (1 - CFG.link_ewma_alpha / 2), rel=0.01)
+    assert est.bw.mean == pytest.approx(bw * (1 - CFG.links.ewma_alpha / 2), rel=0.01)
 
 
-@pytest.mark.parametrize("flat,climbs", [(CFG.link_warmup_flat, True), (0, False)])
+@pytest.mark.parametrize("flat,climbs", [(CFG.links.warmup_flat, True), (0, False)])
 def test_warm_up_climbs_out_of_a_tcp_ramp(flat, climbs):
     """A path whose rate grows with transfer size (slow start after idle) is not left at the rate
     of the first few-RTT probe (and without the plateau search it would be)."""
@@ -236,11 +236,11 @@ def test_probing_costs_well_under_one_percent_at_steady_state(bw, rtt, noise, se
     # Whole probe periods only, so the window's edges do not count a fraction of a period twice.
     bw_share = sum(bw_busy[:-1]) / (bw_starts[-1] - bw_starts[0])
     fraction = bw_share + ping_busy / (horizon - warmup)
-    assert fraction <= CFG.link_probe_budget * (1 + 2 * noise) + 1e-6
+    assert fraction <= CFG.links.probe_budget * (1 + 2 * noise) + 1e-6
     assert fraction < 0.01
     gaps = [b - a for a, b in zip(bw_starts, bw_starts[1:])]
     # ... on schedule: a period, or as many as the re-checks of a low probe took, to pay for them.
-    assert max(gaps) <= t.bw_period("b") * (1 + CFG.link_capacity_confirm) * (1 + 2 * noise) + 1.0
+    assert max(gaps) <= t.bw_period("b") * (1 + CFG.links.capacity_confirm) * (1 + 2 * noise) + 1.0
 
 
 def answer(t, now, bw, rtt):
@@ -273,23 +273,23 @@ def test_change_detection_triggers_a_reprobe_and_a_confirmed_change_resets():
     now = steady(t, "b", bw, rtt) + 1.0
     while answer(t, now, bw, rtt):                          # drain anything pending
         now += 0.5
-    now += CFG.link_min_probe_gap
+    now += CFG.links.min_probe_gap
     assert BW not in answer(t, now, bw, rtt)
     # The link dropped to a third: a real transfer shows it.
     t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3), now)
     assert answer(t, now, bw / 3, rtt).count(BW) == 1
     assert t.estimate("b").bw.mean == pytest.approx(bw / 3, rel=0.01)   # confirmed: restarted there
     # Noise: one slow transfer that the probe does not confirm folds in, no reset.
-    now += 10 * CFG.link_min_probe_gap
+    now += 10 * CFG.links.min_probe_gap
     t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 30), now)
     assert answer(t, now, bw / 3, rtt).count(BW) == 1
     assert t.estimate("b").bw.mean < bw / 3 * 0.9           # folded, not restarted at the probe
     # An in-band deviation triggers nothing.
-    now += 10 * CFG.link_min_probe_gap
+    now += 10 * CFG.links.min_probe_gap
     t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3.3), now)
     assert BW not in answer(t, now, bw / 3, rtt)
     # RTT jumps past the floor: an early ping; a tiny jump below the floor does not count.
-    now += CFG.link_min_probe_gap
+    now += CFG.links.min_probe_gap
     t.observe_rtt("b", rtt * 1.9, now, probe=False)
     assert RTT not in answer(t, now, bw / 3, rtt)
     t.observe_rtt("b", 0.080, now, probe=False)
@@ -310,10 +310,10 @@ def test_a_busy_hosts_slow_small_transfers_do_not_keep_reprobing_a_fast_link():
             probe_time += p.size_bytes / bw if p.kind == BW else 0.0
             run(t, p, bw, rtt, now)
         now += 0.2
-    assert probe_time / 600 < 2 * CFG.link_probe_budget
+    assert probe_time / 600 < 2 * CFG.links.probe_budget
     assert t.estimate("b").capacity == pytest.approx(bw, rel=0.01)
     slow, dropped = bw / 10, now
-    while now < dropped + t.bw_period("b") + CFG.link_min_probe_gap:
+    while now < dropped + t.bw_period("b") + CFG.links.min_probe_gap:
         t.observe_transfer("b", size, rtt + size / slow, now)
         for p in t.due_probes(now):
             run(t, p, slow, rtt, now)
@@ -340,7 +340,7 @@ def settled(bw, rtt, cfg=CFG):
     t = LinkTable("a", cfg)
     t.add_peer("b")
     now = 0.0
-    while now < 4 * t.cfg.link_bw_interval + 3600:
+    while now < 4 * t.cfg.links.bw_interval + 3600:
         probe_all(t, now, bw, rtt)
         now = t.next_due(now)
     return t, now
@@ -364,7 +364,7 @@ def test_probe_phase_goes_warm_up_settling_steady_and_steady_probes_keep_the_per
             bw_starts.append(now)
         now = t.next_due(now)
     assert seen == ["warm-up", "settling", "steady"]
-    assert len(bw_starts) >= 3 and bw_starts[1] - bw_starts[0] >= t.bw_period("b") / CFG.link_settle_growth
+    assert len(bw_starts) >= 3 and bw_starts[1] - bw_starts[0] >= t.bw_period("b") / CFG.links.settle_growth
     assert bw_starts[2] - bw_starts[1] >= 0.99 * t.bw_period("b")
     # a probe that met cross traffic is re-checked sooner: still the steady state (it keeps the budget)
     while BW not in probe_all(t, now, bw, rtt, share=0.3):
@@ -402,12 +402,12 @@ def test_probes_that_met_cross_traffic_do_not_drag_the_capacity_down():
 def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
-    est, gap = t.estimate("b"), CFG.link_min_probe_gap
+    est, gap = t.estimate("b"), CFG.links.min_probe_gap
     period = t.bw_period("b")
     now = t.next_due(now)
     while BW not in probe_all(t, now, bw, rtt, share=0.5):
         now = t.next_due(now)
-    low_at, recheck = now, CFG.link_capacity_recheck * t.bw_period("b")
+    low_at, recheck = now, CFG.links.capacity_recheck * t.bw_period("b")
     now = t.next_due(now)
     while BW not in probe_all(t, now, bw, rtt):
         now = t.next_due(now)
@@ -420,9 +420,9 @@ def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity(
 def test_a_real_drop_is_followed_within_a_period_and_the_rechecks():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
-    est, gap, g = t.estimate("b"), CFG.link_min_probe_gap, CFG.link_settle_growth
-    bound = t.bw_period("b") * (1 + sum(CFG.link_capacity_recheck * g ** k
-                                        for k in range(CFG.link_capacity_confirm))) + 1.0
+    est, gap, g = t.estimate("b"), CFG.links.min_probe_gap, CFG.links.settle_growth
+    bound = t.bw_period("b") * (1 + sum(CFG.links.capacity_recheck * g ** k
+                                        for k in range(CFG.links.capacity_confirm))) + 1.0
     dropped_at = now
     while est.capacity > 1.05 * bw / 3:
         probe_all(t, now, bw / 3, rtt)
@@ -434,7 +434,7 @@ def test_a_real_drop_is_followed_within_a_period_and_the_rechecks():
 def test_warm_up_under_cross_traffic_is_corrected_by_the_settle_probes():
     """Hosts of one site start together: every warm-up probe shares the uplink (reads half). Probes
     then thin out (gaps 2, 4, 8 ... x link_min_probe_gap), and the first clean one sets the capacity."""
-    bw, rtt, gap, g = 6.25e6, 0.04, CFG.link_min_probe_gap, CFG.link_settle_growth
+    bw, rtt, gap, g = 6.25e6, 0.04, CFG.links.min_probe_gap, CFG.links.settle_growth
     t = LinkTable("a", CFG)
     t.add_peer("b")
     est, sched, now, starts = t.estimate("b"), t._sched[("b", BW)], 0.0, []
@@ -484,7 +484,7 @@ def test_the_plateau_search_goes_on_after_a_warm_up_under_cross_traffic():
                 t.observe_transfer(p.peer, p.size_bytes, rtt + busy(p.size_bytes) / share, now, probe=True)
         now = t.next_due(now)
     assert est.capacity > 0.85 * bw
-    assert t.probe_size("b") <= CFG.link_probe_growth_max * est.capacity * CFG.link_probe_rtts * rtt + 1
+    assert t.probe_size("b") <= CFG.links.probe_growth_max * est.capacity * CFG.links.probe_rtts * rtt + 1
 
 
 def test_capacity_samples_expire_after_the_window():
@@ -493,18 +493,18 @@ def test_capacity_samples_expire_after_the_window():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
     est, high_at, size = t.estimate("b"), t.estimate("b").capacity_at, 4_000_000
-    while now < high_at + CFG.link_capacity_window + 30:
+    while now < high_at + CFG.links.capacity_window + 30:
         assert t.observe_transfer("b", size, rtt + size / (bw / 2), now)
-        assert est.capacity == pytest.approx(bw if now - high_at <= CFG.link_capacity_window else bw / 2, rel=0.01)
+        assert est.capacity == pytest.approx(bw if now - high_at <= CFG.links.capacity_window else bw / 2, rel=0.01)
         assert BW not in {p.kind for p in t.due_probes(now)}
         now += 10.0
-    assert est.capacity == pytest.approx(bw / 2, rel=0.01) and len(est.peaks) <= CFG.link_capacity_samples
+    assert est.capacity == pytest.approx(bw / 2, rel=0.01) and len(est.peaks) <= CFG.links.capacity_samples
 
 
 def test_a_probe_already_in_flight_when_a_change_is_seen_does_not_confirm_it():
     bw, rtt = 1.25e8, 0.001
     t, now = settled(bw, rtt)
-    est, gap = t.estimate("b"), CFG.link_min_probe_gap
+    est, gap = t.estimate("b"), CFG.links.min_probe_gap
     now = t._due_at("b", BW)
     (p,) = [p for p in t.due_probes(now) if p.kind == BW]
     t.observe_transfer("b", 8 << 20, rtt + (8 << 20) / (bw / 3), now + 0.1)     # seen while it runs
@@ -520,8 +520,8 @@ def test_failures_back_off_and_unreported_probes_expire():
     t.add_peer("b")
     (p,) = [p for p in t.due_probes(0.0) if p.kind == RTT]
     t.probe_failed("b", RTT, 1.0)
-    assert [x for x in t.due_probes(1.0 + CFG.link_min_probe_gap * 2 - 0.01) if x.kind == RTT] == []
-    assert [x for x in t.due_probes(1.0 + CFG.link_min_probe_gap * 2) if x.kind == RTT]
+    assert [x for x in t.due_probes(1.0 + CFG.links.min_probe_gap * 2 - 0.01) if x.kind == RTT] == []
+    assert [x for x in t.due_probes(1.0 + CFG.links.min_probe_gap * 2) if x.kind == RTT]
     now = 10.0
     gaps = []
     for _ in range(12):                                      # never reported: deadline = failure
@@ -532,7 +532,7 @@ def test_failures_back_off_and_unreported_probes_expire():
             gaps.append(now)
         now += 0.01
     spacing = [b - a for a, b in zip(gaps, gaps[1:])]
-    assert spacing == sorted(spacing) and spacing[-1] <= CFG.link_retry_max + CFG.link_probe_timeout_min + 0.1
+    assert spacing == sorted(spacing) and spacing[-1] <= CFG.links.retry_max + CFG.links.probe_timeout_min + 0.1
     t.remove_peer("b")
     assert t.due_probes(now) == [] and t.next_due(now) is None
 
@@ -607,9 +607,9 @@ def test_bad_entries_are_refused_with_reasons_and_size_is_bounded():
     taken, refused = m.merge(many, now=1000.0)
     assert len(m.entries) == 50 and refused == ["more than link_max_entries=50 entries"]
     assert max(e.updated_at for e in m.entries.values()) == 1000.0   # the freshest are kept
-    m.merge([entry("x", "y", age=cfg.link_forget_after + 1)], now=2000.0)
+    m.merge([entry("x", "y", age=cfg.links.forget_after + 1)], now=2000.0)
     assert m.get("x", "y") is None                                     # too old to take
-    m.expire(now=1000.0 + cfg.link_forget_after + 100)
+    m.expire(now=1000.0 + cfg.links.forget_after + 100)
     assert m.entries == {}
 
 
@@ -718,4 +718,4 @@ def test_config_refuses_a_budget_of_one_percent_or_more():
         load(env={"PEERD_LINK_CAPACITY_DIP": "1.0"})
     with pytest.raises(ConfigError, match="link_settle_growth"):
         load(env={"PEERD_LINK_SETTLE_GROWTH": "1.0"})
-    assert load(env={"PEERD_MDNS": "off"}).mdns is False
+    assert load(env={"PEERD_MDNS": "off"}).mdns.enabled is False

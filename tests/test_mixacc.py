@@ -1,4 +1,4 @@
-"""The incremental mix (peerd.node.mixacc) against the direct weighted sum, driven by a real Hop
+"""The incremental mix (peerd.node.run.mixacc) against the direct weighted sum, driven by a real Hop
 policy through random arrivals, drops, repairs and skips, the way the daemon drives it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import torch
 from hypothesis import given, settings, strategies as st
 
-from peerd.node.mixacc import MixAccumulator, summable
+from peerd.node.run.mixacc import MixAccumulator, summable
 from peerd.sync import events as ev
 from peerd.sync import topology
 from peerd.sync.hop import Hop

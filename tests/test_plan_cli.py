@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from cli.plan import plan as plan_cmd
 from peerd.config import Config
 from peerd.lab import profile
-from peerd.node.autoplan import Inputs, Replanner, decide
+from peerd.node.run.autoplan import Inputs, Replanner, decide
 from peerd.node.localswarm import run_cli
 from peerd.plan import check, model, sources
 from tests.daemons import daemons, wait_for  # noqa: F401  (fixture)

@@ -35,7 +35,7 @@ def children(pid: int) -> set[int]:
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):   # gone before the open, or between open and read
         return False
     return state != "Z"
 
@@ -71,8 +71,21 @@ def trainer_of(daemon_pid: int, timeout: float = 90) -> int:
                     timeout, "the trainer to start")
 
 
-def slots(node_id: str) -> list[Path]:
-    return list(Path("/dev/shm").glob(f"peerd-{node_id}-*"))
+def slots(daemon_pid: int, node_id: str) -> list[str]:
+    """The run's shared-memory slots the daemon holds: anonymous memory files (memfd) it opened,
+    or, where memfd_create is missing, files in /dev/shm."""
+    held = []
+    try:
+        for fd in Path(f"/proc/{daemon_pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(f"/memfd:peerd-{node_id}-"):
+                held.append(target)
+    except OSError:
+        pass          # the daemon is gone
+    return held + [str(p) for p in Path("/dev/shm").glob(f"peerd-{node_id}-*")]
 
 
 @pytest.fixture
@@ -103,7 +116,7 @@ def test_peerd_up_stops_with_its_trainer_on_sigint_and_sigterm(tmp_path, secret,
             start_ready(d)
             train = start_train(d.data_dir)
             trainer = trainer_of(d.proc.pid)
-            wait_for(lambda: slots(d.node_id), 90, "the trainer to attach (its slot files)")
+            wait_for(lambda: slots(d.proc.pid, d.node_id), 90, "the trainer to attach (its slots)")
             if sig == signal.SIGINT:
                 os.killpg(d.proc.pid, sig)
             else:
@@ -112,7 +125,7 @@ def test_peerd_up_stops_with_its_trainer_on_sigint_and_sigterm(tmp_path, secret,
             gone_within({trainer}, 0.5, "trainer")
             assert d.proc.returncode == 0, d.read_log()[-2000:]
             assert not (d.data_dir / "peerd.sock").exists()
-            assert not slots(d.node_id)
+            assert not slots(d.proc.pid, d.node_id)
             assert "stopped" in d.read_log()
         finally:
             d.stop()
@@ -136,7 +149,7 @@ def test_peerd_train_interrupted_stops_its_trainer_and_the_daemon_serves_on(tmp_
             gone_within({trainer}, max(0.1, BOUND - (time.monotonic() - t0)), "trainer")
             times.append(time.monotonic() - t0)
             assert train.returncode != 0
-            wait_for(lambda: not slots(d.node_id), BOUND, "the slot files to be removed")
+            wait_for(lambda: not slots(d.proc.pid, d.node_id), BOUND, "the slots to be closed")
             st = wait_for(lambda: (lambda s: s if s and not s["training_json"] else None)(control_status(d)), 10,
                           "the daemon to end the run")
             assert st["node_id"] == d.node_id      # the daemon itself serves on
@@ -212,3 +225,76 @@ def test_a_restarted_daemon_removes_slot_files_its_killed_incarnation_left(daemo
     finally:
         for p in [*mine, other]:
             p.unlink(missing_ok=True)
+
+
+def test_a_sigkilled_daemon_leaves_no_slot_memory_behind(tmp_path, secret, partner):
+    """SIGKILL the daemon mid-run: its slots are anonymous memory files (memfd), so nothing of them
+    is left in /dev/shm, and their memory goes with the last mapping: the trainer, which sees its
+    daemon gone and exits. A restart of the same data dir trains again."""
+    d = LocalDaemon(tmp_path / "killed", secret, [partner.address], FAST)
+    train = None
+    try:
+        start_ready(d)
+        node = d.node_id
+        train = start_train(d.data_dir)
+        trainer = trainer_of(d.proc.pid)
+        wait_for(lambda: slots(d.proc.pid, node), 90, "the trainer to attach (its slots)")
+        assert not list(Path("/dev/shm").glob(f"peerd-{node}-*")), "slots went to /dev/shm files"
+        maps = Path(f"/proc/{trainer}/maps").read_text()
+        assert f"/memfd:peerd-{node}-" in maps, "the trainer maps the daemon's memfd slots"
+        d.kill()
+        gone_within({trainer}, 60, "trainer (its daemon was killed)")
+        assert not list(Path("/dev/shm").glob(f"peerd-{node}-*"))
+        d.start()                          # the same data dir, the same node: it starts clean
+        start_ready(d)
+        assert d.node_id == node and not slots(d.proc.pid, node)
+    finally:
+        d.stop()
+        if train is not None:
+            train.kill()
+            train.wait(timeout=10)
+
+
+def test_peerd_down_stops_the_daemon_as_sigterm_does(tmp_path, secret):
+    """`peerd down` (the Control API's Shutdown): the daemon mid-run stops its trainer, tells its
+    peer it leaves (the partner marks it "left", not "dead"), removes its socket and slots, exits 0.
+    Default failure-detector timings here: the FAST ones call a peer dead after 2 s, which a loaded
+    CI host's starved heartbeats reach before the goodbye."""
+    partner = LocalDaemon(tmp_path / "partner-down", secret, [], ["--link-probe-max-bytes", str(1 << 20)])
+    d = LocalDaemon(tmp_path / "down", secret, [], ["--link-probe-max-bytes", str(1 << 20), "--log-format", "json"])
+    train = None
+    try:
+        start_ready(partner)
+        d.seeds = [partner.address]
+        start_ready(d)
+        wait_for(lambda: {p["node_id"]: p["state"] for p in (control_status(partner) or {}).get("peers", [])}
+                 .get(d.node_id) == "alive", 30, "the partner to see it")
+        train = start_train(d.data_dir)
+        trainer = trainer_of(d.proc.pid)
+        wait_for(lambda: slots(d.proc.pid, d.node_id), 90, "the trainer to attach (its slots)")
+        t0 = time.monotonic()
+        out = subprocess.run(peerd_cmd("down", "--data-dir", str(d.data_dir)), capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and f"pid {d.proc.pid}" in out.stdout, (out.stdout, out.stderr)
+        exits_within(d.proc, BOUND)
+        took = time.monotonic() - t0
+        gone_within({trainer}, 0.5, "trainer")
+        assert d.proc.returncode == 0
+        assert not (d.data_dir / "peerd.sock").exists()
+        assert not slots(d.proc.pid, d.node_id)
+        wait_for(lambda: {p["node_id"]: p["state"] for p in (control_status(partner) or {}).get("peers", [])}
+                 .get(d.node_id) == "left", 10, "the partner to see it leave")
+        # --log-format json: every line of its log is one JSON object with time, level, logger, message
+        records = [json.loads(line) for line in d.read_log().splitlines() if line.strip()]
+        assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+        assert any(r["message"].startswith("shutdown requested through the control socket") for r in records)
+        again = subprocess.run(peerd_cmd("down", "--data-dir", str(d.data_dir)), capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 1 and "no daemon control socket" in again.stderr
+    finally:
+        d.stop()
+        partner.stop()
+        if train is not None:
+            train.kill()
+            train.wait(timeout=10)
+    print(f"\npeerd down with a trainer: the daemon exited {took:.2f} s after the command started")

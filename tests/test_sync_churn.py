@@ -8,7 +8,7 @@ import pytest
 from peerd.sim.engine import Simulator
 from peerd.sync import registry
 from peerd.sync import topology as T
-from peerd.sync.events import (Mix, MixRequested, PeerDown, PeerUp, Published, Send, Skip, TokensArrived,
+from peerd.sync.events import (Drop, Mix, MixRequested, PeerDown, PeerUp, Published, Send, Skip, TokensArrived,
                                UpdateArrived)
 from peerd.sync.hop import Hop
 from tests.sync_helpers import random_spec
@@ -107,6 +107,49 @@ def test_hop_standard_mode_takes_a_new_neighbours_later_update():
     p.on_event(UpdateArrived(0, 0), 0.2)
     p.on_event(UpdateArrived(3, 2), 0.2)       # 3 was at iteration 2 when the edge appeared
     mix = next(a for a in p.on_event(MixRequested(0), 0.3) if isinstance(a, Mix))
+    assert {(s, k) for s, k, _ in mix.entries} == {(1, 0), (0, 0), (3, 2)}
+
+
+def test_hop_takes_the_update_a_new_neighbour_sent_before_my_own_repair():
+    """Ring 0-1-2-3, standard mode: 2 dies, 3 finds it dead first and, ahead of me, sends me its
+    newest update (iteration 2) when the edge appears on its side; it reaches me before my own
+    repair. It stands in for the iterations 3 never sent me, as when it comes after the repair.
+    Dropped, 3 sent nothing more before my next update, which waited on its one: a deadlock
+    until the silent-peer timeout (the stall of tests/test_churn_daemons.py)."""
+    p = Hop(1, T.ring(4), max_ig=4)
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(0, 0), 0.1)
+    assert p.on_event(UpdateArrived(3, 2), 0.2) == []     # not my in-neighbour yet: kept, not dropped
+    assert not any(isinstance(a, Mix) for a in p.on_event(MixRequested(0), 0.3))   # waits for 2
+    mix = next(a for a in p.on_event(PeerDown(2), 2.0) if isinstance(a, Mix))
+    assert {(s, k) for s, k, _ in mix.entries} == {(1, 0), (0, 0), (3, 2)}
+
+
+def test_hop_keeps_one_update_of_a_worker_not_yet_its_neighbour():
+    """Such updates are bounded: the newest one per sender, the older dropped, and all of them
+    once a repair (or a mix past them) says they can never be used."""
+    p = Hop(1, T.ring(5), max_ig=4)
+    p.on_event(Published(0), 0.0)
+    assert p.on_event(UpdateArrived(3, 1), 0.1) == []
+    assert p.on_event(UpdateArrived(3, 2), 0.2) == [Drop(3, 1)]
+    assert p.on_event(UpdateArrived(3, 1), 0.3) == [Drop(3, 1)]     # older than the one kept
+    assert p.held[3] == {2}
+    out = p.on_event(PeerDown(4), 0.4)                  # repaired: 3 is still not my in-neighbour
+    assert Drop(3, 2) in out and not p.held[3]
+
+
+def test_aau_takes_the_update_a_new_neighbour_sent_before_my_own_repair():
+    """As Hop's: ring 0-1-2-3-4, 2 dies, 3 repairs first and, ahead, sends me its iteration 2 before
+    my repair. After mine (ring 0-1-3-4), 3 is a tree neighbour whose later update stands in for
+    iteration 0; dropped, I waited on 3 until the silent-peer timeout."""
+    from peerd.sync.aau import AAU
+    p = AAU(1, T.ring(5))
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(0, 0), 0.1)
+    assert p.on_event(UpdateArrived(3, 2), 0.2) == []     # not my neighbour yet: kept, not dropped
+    assert p.on_event(UpdateArrived(3, 1), 0.25) == [Drop(3, 1)]   # older than the one kept
+    assert not any(isinstance(a, Mix) for a in p.on_event(MixRequested(0), 0.3))   # waits for 2
+    mix = next(a for a in p.on_event(PeerDown(2), 2.0) if isinstance(a, Mix))
     assert {(s, k) for s, k, _ in mix.entries} == {(1, 0), (0, 0), (3, 2)}
 
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from peerd.node.localswarm import peerd_cmd
-from peerd.node.training import RunError, RunSpec
+from peerd.node.run.spec import RunError, RunSpec
 from peerd.v1 import control_pb2 as cpb
 from tests.daemons import daemons  # noqa: F401  (fixture)
 from tests.test_training import finish, start_train, swarm

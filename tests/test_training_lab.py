@@ -1,7 +1,7 @@
 """Training in the lab: 4 hosts in network namespaces on the straggler profile (h1 computes 4x
 slower) with h1 and h2 behind 10 Mbit access links and h3 and h4 behind 1 Gbit ones, real daemons,
-`peerd train` run inside each namespace. Node ids n1..n4 rank h1 and h2 side by side; the run's
-first host (n1) must rank them apart (peerd.node.joining.ranking).
+`peerd train` run inside each namespace. The run's first host (the smallest node id) must rank
+h1 and h2 apart on the ring, whatever their ids (peerd.node.run.joining.ranking).
 
 Runs as root (CI does); skips only where network namespaces cannot be made.
 """
@@ -31,11 +31,8 @@ def straggler_lab(tmp_path_factory):
     prof = profile.parse({"name": "straggler-star", "hosts": 4, "host": {
         "h1": {"slowdown": 4.0, "link": "10mbit"}, "h2": {"link": "10mbit"},
         "h3": {"link": "1gbit"}, "h4": {"link": "1gbit"}}}, 4, "test_training_lab")
-    for h in prof.hosts:                      # node ids: by id, h1 and h2 are ring neighbours
-        (d / h.name / "data").mkdir(parents=True)
-        (d / h.name / "data" / "node_id").write_text(f"n{h.name[1:]}\n")
     # A generous daemon start-up bound: on a loaded CI host 4 daemons importing torch take a while.
-    lab.up(prof, d, dataclasses.replace(Config(), lab_ready_timeout=90.0), daemon_args=FAST)
+    lab.up(prof, d, Config().replace(lab_ready_timeout=90.0), daemon_args=FAST)
     try:
         lb = lab.Lab(d)
         deadline = time.monotonic() + 60
@@ -50,28 +47,32 @@ def straggler_lab(tmp_path_factory):
             time.sleep(1)
         else:
             pytest.fail("the 4 lab daemons did not form a swarm within 60s")
-        _wait_access_links_told_apart(lb)
+        ids = {h: json.loads(lb.run(h, [sys.executable, "-m", "cli.main", "status", "--json"],
+                                    timeout=30).stdout)["node_id"] for h in lb.hosts}
+        _wait_access_links_told_apart(lb, ids)
         yield lb
     finally:
         lab.down(d, Config(), purge=False)
 
 
-def _wait_access_links_told_apart(lb, timeout: float = 150.0) -> None:
-    """Until n1, the run's first host, has measured each host's links, the 1 Gbit pair at least
-    4x the fastest 10 Mbit one (first probes of a fast link read it low)."""
+def _wait_access_links_told_apart(lb, ids: dict[str, str], timeout: float = 150.0) -> None:
+    """Until the run's first host (the smallest node id) has measured each host's links, the
+    1 Gbit pair at least 4x the fastest 10 Mbit one (first probes of a fast link read it low)."""
     deadline, rates = time.monotonic() + timeout, {}
+    first = min(ids, key=ids.get)
+    slow_ids, fast_pair = {ids["h1"], ids["h2"]}, frozenset((ids["h3"], ids["h4"]))
     while time.monotonic() < deadline:
-        p = lb.run("h1", [sys.executable, "-m", "cli.main", "links", "--json"], timeout=30)
+        p = lb.run(first, [sys.executable, "-m", "cli.main", "links", "--json"], timeout=30)
         if p.returncode == 0:
             rates = {}
             for r in json.loads(p.stdout)["links"]:
                 pair = frozenset((r["measurer"], r["target"]))
                 rates[pair] = max(rates.get(pair, 0.0), r["capacity_mbit_s"] or r["throughput_mbit_s"])
-            slow = max((v for k, v in rates.items() if k & {"n1", "n2"}), default=0.0)
-            if len(rates) == 6 and slow > 0 and rates[frozenset(("n3", "n4"))] >= 4 * slow:
+            slow = max((v for k, v in rates.items() if k & slow_ids), default=0.0)
+            if len(rates) == 6 and slow > 0 and rates.get(fast_pair, 0.0) >= 4 * slow:
                 return
         time.sleep(2)
-    pytest.fail(f"n1's link matrix did not tell the 10 Mbit hosts from the 1 Gbit ones in {timeout:.0f}s: "
+    pytest.fail(f"{first}'s link matrix did not tell the 10 Mbit hosts from the 1 Gbit ones in {timeout:.0f}s: "
                 f"{ {'-'.join(sorted(k)): round(v, 1) for k, v in rates.items()} }")
 
 
@@ -99,7 +100,7 @@ def test_lab_straggler_trains_digits(straggler_lab, algo, iterations, bar):
                 p.wait()
     print(f"\n{algo}: " + ", ".join(f"{h} {r['metric']:.3f} at it {r['iteration']} ({r['elapsed_s']:.1f}s)"
                                     for h, r in results.items()))
-    # One table on every host (n1's ranks), with the two 10 Mbit hosts opposite on the ring.
+    # One table on every host (the first host's ranks), with the two 10 Mbit hosts opposite on the ring.
     assert sorted(ranks.values()) == [0, 1, 2, 3] and abs(ranks["h1"] - ranks["h2"]) == 2, ranks
     for h, last in results.items():
         assert last["state"] == "done" and last["metric_name"] == "accuracy", (h, last)

@@ -12,49 +12,50 @@ import types
 import torch
 
 from peerd.config import Config
-from peerd.node.training import RunSpec, TrainingRun, wire_layout
+from peerd.node.run.mixer import wire_layout
+from peerd.node.run.run import TrainingRun
+from peerd.node.run.spec import RunSpec
 from peerd.train.flat import Layout
+from tests.run_env import stand_in_env
 
 NODES = ["a", "b", "c"]
 
 
-def _run(tmp_path) -> TrainingRun:
-    cfg = dataclasses.replace(Config(), run_id="t")
-    daemon = types.SimpleNamespace(cfg=cfg, node_id="a", data=types.SimpleNamespace(path=tmp_path))
-    spec = RunSpec(task="digits", algorithm="netmax", topology="ring", world=3, iterations=100, seed=0,
-                   non_iid=False, slowdown=1.0, options={}, script=[], eval_every=0, join_timeout=1.0)
-    run = TrainingRun(daemon, spec, NODES)
-    run.layout = Layout.build([("w", "float32", (1024,))])
-    run.wire = wire_layout(run.layout)
+SPEC = RunSpec(task="digits", algorithm="netmax", topology="ring", world=3, iterations=100, seed=0,
+               non_iid=False, slowdown=1.0, options={}, script=[], eval_every=0, join_timeout=1.0)
+
+
+def _run(tmp_path, cfg: Config | None = None, algorithm: str = "netmax", **env) -> TrainingRun:
+    run = TrainingRun(stand_in_env(tmp_path, cfg, **env), dataclasses.replace(SPEC, algorithm=algorithm), NODES)
+    run.mixer.layout = Layout.build([("w", "float32", (1024,))])
+    run.mixer.wire = wire_layout(run.mixer.layout)
     return run
 
 
-def _publish(run: TrainingRun, k: int) -> None:
-    """What _complete_publish does to the own snapshots, without the policy's sends and pulls."""
-    snap = run._pool.pop() if run._pool else torch.empty(run.layout.total_bytes, dtype=torch.uint8)
-    snap.fill_(k % 256)
-    run.own[k] = snap
-    run.own_out[k] = None
-    run.live_k = run.policy.k = k
-    run._retire_own()
+async def _publish(run: TrainingRun, k: int) -> None:
+    """What a publish does to the own snapshots, without the policy's sends and pulls."""
+    slot = torch.full((run.mixer.layout.total_bytes,), k % 256, dtype=torch.uint8)
+    await run.snapshots.take(k, slot, run.mixer.wire)
+    run.policy.k = k
 
 
 def test_a_snapshot_being_served_is_not_reused_until_its_stream_is_done(tmp_path):
     async def go():
         run = _run(tmp_path)
-        _publish(run, 0)
+        await _publish(run, 0)
         served = run.serve_pull("b")
         assert served is not None and served.iteration == 0
         before = bytes(served.data.pieces[0])
         for k in range(1, 40):                  # the puller is slow: 39 iterations go by
-            _publish(run, k)
+            await _publish(run, k)
         assert bytes(served.data.pieces[0]) == before, "the snapshot changed while it was served"
         served.done()                           # the stream ended: nothing is held for it any more
-        assert not run.serving
-        ptr = run.own[39].data_ptr()
+        snaps = run.snapshots
+        assert not snaps.serving
+        ptr = snaps.own[39].data_ptr()
         for k in range(40, 60):                 # a snapshot nobody pulls is recycled as before
-            _publish(run, k)
-        assert any(b.data_ptr() == ptr for b in [*run._pool, *run.own.values()])
+            await _publish(run, k)
+        assert any(b.data_ptr() == ptr for b in [*snaps.pool, *snaps.own.values()])
 
     asyncio.run(go())
 
@@ -67,17 +68,18 @@ def test_stop_answers_the_mix_a_trainer_waits_for_so_it_reaches_its_boundary(tmp
     from peerd.v1 import control_pb2 as cpb
 
     async def go():
-        run = _run(tmp_path)
-        run.d.cfg = dataclasses.replace(run.d.cfg, train_silent_peer_timeout=30.0, train_mix_timeout=30.0)
+        run = _run(tmp_path, Config().replace(run_id="t", train_silent_peer_timeout=30.0, train_mix_timeout=30.0))
+        run.mixer.slots = [torch.zeros(run.mixer.layout.total_bytes, dtype=torch.uint8)] * 2
+        api = run.api
         waiting = asyncio.get_running_loop().create_future()
-        run.mix_waiters[7] = waiting                       # what mix(7) holds while the policy waits
-        delivered = await run.direct(cpb.Directive(kind=cpb.Directive.KIND_STOP, reason="test"))
-        assert delivered == 0 and run.stop_requested
+        api.waiters[7] = waiting                           # what mix(7) holds while the policy waits
+        delivered = await api.direct(cpb.Directive(kind=cpb.Directive.KIND_STOP, reason="test"))
+        assert delivered == 0 and api.stop_requested
         assert waiting.done() and list(waiting.result().entries) == [] and waiting.result().iteration == 7
-        run.mix_waiters.clear()
-        reply = await asyncio.wait_for(run.mix(cpb.MixRequest(iteration=8, slot=0)), 2.0)
+        api.waiters.clear()
+        reply = await asyncio.wait_for(api.mix(cpb.MixRequest(iteration=8, slot=0)), 2.0)
         assert reply.iteration == 8 and list(reply.entries) == []
-        stream = run.directives(None)
+        stream = api.directives(None)
         first = await asyncio.wait_for(stream.__anext__(), 2.0)
         assert first.kind == cpb.Directive.KIND_STOP
         await stream.aclose()
@@ -91,36 +93,32 @@ def test_a_carried_pull_keeps_its_snapshot_until_its_push_is_done(tmp_path):
     passive finished), the buffer was reused for a later publish, and the passive refused the
     stream: "checksum: crc32 ... does not match" (seen in the star-6 lab)."""
     async def go():
-        run = _run(tmp_path)
         release, started, streamed = asyncio.Event(), asyncio.Event(), asyncio.Event()
         seen = {}
 
-        async def push_tensor(address, node, out, iteration, kind):
-            seen["buf"] = run.own[iteration]
-            seen["before"] = bytes(run.own[iteration])
+        async def push_tensor(address, node, out, iteration, kind, compression=None):
+            seen["buf"] = run.snapshots.own[iteration]
+            seen["before"] = bytes(run.snapshots.own[iteration])
             started.set()
             await release.wait()                # the slow link: still streaming
             seen["after"] = bytes(seen["buf"])
             streamed.set()
 
-        run.d.push_tensor = push_tensor
-        run.d.membership = {"b": types.SimpleNamespace(address="b:1")}
-        run.d.link_matrix = None
-        run.d.node_id = "a"
-        _publish(run, 0)
-        run.own_out[0] = object()               # what push_tensor streams (the stand-in ignores it)
-        run.feed = lambda event: None           # the policy's answer to PullFailed is not under test
-        pull = asyncio.create_task(run._pull(1, 0, 0))
+        run = _run(tmp_path, membership={"b": types.SimpleNamespace(address="b:1")},
+                   peers=types.SimpleNamespace(push_tensor=push_tensor))
+        await _publish(run, 0)
+        run.pulls.feed = lambda event: None     # the policy's answer to PullFailed is not under test
+        pull = asyncio.create_task(run.pulls._pull(1, 0, 0))
         await started.wait()
-        assert run.sending[0] == 1, "a carry in flight counts as a push of its iteration"
+        assert run.snapshots.sending[0] == 1, "a carry in flight counts as a push of its iteration"
         for k in range(1, 40):                  # the active moves on while the carry streams
-            _publish(run, k)
+            await _publish(run, k)
         release.set()
         await streamed.wait()
         pull.cancel()                           # the passive's answer never comes: not under test
         await asyncio.gather(pull, return_exceptions=True)
         assert seen["after"] == seen["before"], "the carried snapshot changed while it streamed"
-        assert not run.sending, "the push is settled once its stream ended"
+        assert not run.snapshots.sending, "the push is settled once its stream ended"
 
     asyncio.run(go())
 
@@ -132,29 +130,26 @@ def test_coalescing_replaces_an_unsent_update_with_the_newest_and_loses_no_count
     from peerd.sync import events as ev
 
     async def go(coalesce: bool) -> list[int]:
-        run = _run(tmp_path)
-        run.d.cfg = dataclasses.replace(run.d.cfg, train_coalesce_updates=coalesce)
-        run = TrainingRun(run.d, dataclasses.replace(run.spec, algorithm="hop-backup-skip"), NODES)
-        run.layout = Layout.build([("w", "float32", (1024,))])
-        run.wire = wire_layout(run.layout)
         gate, pushed = asyncio.Event(), []
 
-        async def push_tensor(address, node, outgoing, iteration, kind):
+        async def push_tensor(address, node, outgoing, iteration, kind, compression=None):
             pushed.append((node, iteration))
             await gate.wait()                   # a slow link: the push lasts until the gate opens
-        run.d.push_tensor = push_tensor
-        run.d.membership = types.SimpleNamespace(get=lambda node: types.SimpleNamespace(address=node))
+        run = _run(tmp_path, Config().replace(run_id="t", train_coalesce_updates=coalesce), "hop-backup-skip",
+                   membership=types.SimpleNamespace(get=lambda node: types.SimpleNamespace(address=node)),
+                   peers=types.SimpleNamespace(push_tensor=push_tensor))
+        out = run.outbound
         for k in range(4):
-            _publish(run, k)
-            run._send(ev.Send(1, k))
+            await _publish(run, k)
+            out.send(ev.Send(1, k))
             await asyncio.sleep(0.01)           # the sender takes update 0 and streams it
         gate.set()
         for _ in range(100):
-            if not run.sending:
+            if not run.snapshots.sending:
                 break
             await asyncio.sleep(0.01)
-        assert not run.sending and not run.unsent
-        for task in run.senders.values():
+        assert not run.snapshots.sending and not out.newest
+        for task in out.senders.values():
             task.cancel()
         assert {node for node, _ in pushed} == {"b"}
         return [k for _, k in pushed]

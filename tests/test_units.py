@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from peerd import config
-from peerd.net.auth import Authenticator, ReplayCache, SecretError, load_secret
+from peerd.net.auth import SecretError, load_secret
 from peerd.net.membership import Membership, State, Timing
 
 
@@ -13,10 +13,10 @@ def test_config_precedence_file_env_flags(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('heartbeat_interval = 0.5\nrun_id = "from-file"\ndead-after = 9.0\n')
     cfg = config.load(f, env={"PEERD_RUN_ID": "from-env"}, overrides={"dead_after": 7.0})
-    assert cfg.heartbeat_interval == 0.5
-    assert cfg.run_id == "from-env"
-    assert cfg.dead_after == 7.0
-    assert config.load(None, env={}).listen == "127.0.0.1:7070"
+    assert cfg.membership.heartbeat_interval == 0.5
+    assert cfg.node.run_id == "from-env"
+    assert cfg.membership.dead_after == 7.0
+    assert config.load(None, env={}).node.listen == "127.0.0.1:7070"
 
 
 def test_config_errors_name_the_field(tmp_path):
@@ -33,55 +33,69 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_every_config_field_has_help_and_a_flag():
+    """`peerd up --help` is a screenful of the common flags; --help-all lists every daemon setting."""
     from click.testing import CliRunner
 
     from cli.main import cli
-    out = CliRunner().invoke(cli, ["up", "--help"]).output
+    short = CliRunner().invoke(cli, ["up", "--help"]).output
+    out = CliRunner().invoke(cli, ["up", "--help-all"]).output
+    assert len(short.splitlines()) <= 60 and "--listen" in short and "--peer" in short
+    assert "--train-mix-timeout" not in short and "--help-all" in short
     for name, f in config.FIELDS.items():
         assert f.metadata["help"]
         flag = "--" + f.metadata.get("flag", name).replace("_", "-")
-        if f.metadata.get("scope", "daemon") == "daemon":
+        if f.scope == "daemon":
             assert flag in out
+            assert (flag in short) == bool(f.metadata.get("common"))
         else:
             assert flag not in out  # other commands' settings: TOML and PEERD_* only
 
 
-# --- auth -------------------------------------------------------------------------------------
-def test_auth_roundtrip_and_refusals():
-    now = [1000.0]
-    a = Authenticator(b"s" * 32, "node-a", max_skew=30, clock=lambda: now[0])
-    b = Authenticator(b"s" * 32, "node-b", max_skew=30, clock=lambda: now[0])
-    md = a.sign("/m")
-    assert b.verify("/m", md) == ("node-a", "")
-    assert b.verify("/m", md)[1] == "replayed call"
-    assert b.verify("/other", a.sign("/m"))[1] == "cluster secret mismatch"  # bound to the method
-    assert Authenticator(b"t" * 32, "c", clock=lambda: now[0]).verify("/m", a.sign("/m"))[1] == \
-        "cluster secret mismatch"
-    old = a.sign("/m")
-    now[0] += 31
-    assert "clock skew" in b.verify("/m", old)[1]
-    assert b.verify("/m", [])[1].startswith("no credentials")
-    tampered = [(k, v if k != "x-peerd-node" else "node-z") for k, v in a.sign("/m")]
-    assert b.verify("/m", tampered)[1] == "cluster secret mismatch"
+def test_config_sections_and_the_flat_keys_from_before_them(tmp_path):
+    """A TOML file in sections and one with the old top-level keys give the same Config; a key in
+    the wrong section, or an unknown one, is an error that names where it lives."""
+    sections, flat = tmp_path / "s.toml", tmp_path / "f.toml"
+    sections.write_text('[train]\nmix_timeout = 90\n[sync]\nhop_max_ig = 3\n[mdns]\nenabled = false\n'
+                        '[links]\nprobe-budget = 0.001\n')
+    flat.write_text('train_mix_timeout = 90\nhop_max_ig = 3\nmdns = false\nlink_probe_budget = 0.001\n')
+    a, b = config.load(sections, env={}), config.load(flat, env={})
+    assert a == b and a.train.mix_timeout == 90.0 and a.sync.hop_max_ig == 3 and a.mdns.enabled is False
+    assert config.load(flat, env={"PEERD_TRAIN_MIX_TIMEOUT": "5"}).train.mix_timeout == 5.0
+    wrong = tmp_path / "w.toml"
+    wrong.write_text("[train]\nhop_max_ig = 3\n")
+    with pytest.raises(config.ConfigError, match=r"\[sync\] hop_max_ig"):
+        config.load(wrong, env={})
+    wrong.write_text("mix_timeout = 3\n")
+    with pytest.raises(config.ConfigError, match=r"\[train\] mix_timeout"):
+        config.load(wrong, env={})
+    assert config.Config(train_mix_timeout=7).replace(hop_max_ig=9).get("hop_max_ig") == 9
+    with pytest.raises(TypeError, match="nonsense"):
+        config.Config(nonsense=1)
 
 
-def test_reply_mac_proves_the_server_holds_the_secret():
-    a = Authenticator(b"s" * 32, "client")
-    server = Authenticator(b"s" * 32, "server")
-    impostor = Authenticator(b"x" * 32, "server")
-    assert a.verify_reply("server", "n1", server.reply_mac("n1"))
-    assert not a.verify_reply("server", "n1", impostor.reply_mac("n1"))
-    assert not a.verify_reply("server", "n2", server.reply_mac("n1"))
-    assert not a.verify_reply("server", "n1", None)
+def test_config_show_round_trips_through_toml(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    f = tmp_path / "c.toml"
+    f.write_text("train_mix_timeout = 90\npeers = ['a:1', 'b:2']\n")
+    out = CliRunner().invoke(cli, ["config", "show", "--config", str(f)], env={}).output
+    g = tmp_path / "g.toml"
+    g.write_text(out)
+    assert config.load(g, env={}) == config.load(f, env={})
+    assert "[train]" in out and "mix_timeout = 90.0" in out
 
 
-def test_replay_cache_is_bounded():
-    c = ReplayCache(capacity=100, window=10)
-    for i in range(1000):
-        assert c.check_and_add(f"n{i}", now=0.0)
-    assert len(c._seen) <= 100
+def test_configuration_reference_is_current():
+    """docs/configuration.md is `peerd config reference`: regenerate it when a setting changes."""
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == config.reference() + "\n", \
+        "docs/configuration.md is stale: run `peerd config reference > docs/configuration.md`"
 
 
+# --- auth (the signatures themselves: tests/test_security_auth.py) -------------------------------
 def test_load_secret(tmp_path, monkeypatch):
     with pytest.raises(SecretError, match="no cluster secret"):
         load_secret("", env={})

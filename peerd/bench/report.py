@@ -64,6 +64,22 @@ def _ratio(base: float, ours: float) -> str:
     return f"{base / ours:.2f}x"
 
 
+# --- language-model runs (the gpt task, issue #35): validation loss and bits per byte -----------
+LN2 = math.log(2.0)
+BYTE_LEVEL_TASKS = ("gpt",)     # loss per byte: bits per byte = loss / ln 2
+
+
+def lm_cell(rs: list[dict[str, Any]]) -> str:
+    """'loss / bpb' of the averaged model (medians over seeds), for records that carry them."""
+    loss = [r["final_eval_loss"] for r in rs if r.get("final_eval_loss") is not None]
+    bpb = [r.get("final_bpb", r["final_eval_loss"] / LN2) for r in rs if r.get("final_eval_loss") is not None]
+    base = [r["unigram_bpb"] for r in rs if r.get("unigram_bpb") is not None]
+    if not loss:
+        return "—"
+    return f"{_median(loss):.3f} / {_median(bpb):.3f}" + (f" (unigram {_median(base):.2f})" if base else "")
+# --- end of the language-model additions --------------------------------------------------------
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: one row per (scenario, contender), medians over seeds."""
     by: dict[tuple[str, str], list[dict]] = {}
@@ -73,6 +89,9 @@ def table(records: list[dict[str, Any]]) -> str:
     target = next((r["target"] for r in records if "target" in r), None)
     head = (f"| scenario | contender | time to {target:.0%} (median) | reached | vs DDP | vs D-PSGD | it/s per host "
             f"| idle | MB sent per step | final acc (avg model) |" if target is not None else "| scenario | contender |")
+    lm = any(r.get("final_eval_loss") is not None for r in records)   # gpt runs: one more column
+    if lm and target is not None:
+        head += " final val loss / bpb (avg model) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (sc, c), rs in by.items():
         ok = [r for r in rs if "it_per_s" in r]     # measured, possibly until a failure
@@ -87,7 +106,8 @@ def table(records: list[dict[str, Any]]) -> str:
             f"| {sc} | {c} | {_fmt_s(m)}{note} | {reached}/{len(rs)} | {_ratio(med.get((sc, 'ddp'), math.nan), m)} "
             f"| {_ratio(med.get((sc, 'd-psgd'), math.nan), m)} | {_median([r['it_per_s'] for r in ok]):.2f} "
             f"| {_median([r['idle_fraction'] for r in ok]):.0%} | {_num(_median([r['bytes_per_step'] for r in ok if r.get('bytes_per_step') is not None]) / 1e6, '.2f')} "
-            f"| {_num(_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]), '.3f')} |")
+            f"| {_num(_median([r['final_accuracy'] for r in ok if r.get('final_accuracy') is not None]), '.3f')} |"
+            + (f" {lm_cell(ok)} |" if lm else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +208,7 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
 
     written = []
     target = meta["settings"]["target"]
+    byte_level = meta["settings"].get("task") in BYTE_LEVEL_TASKS
     for sc in meta["scenarios"]:
         # each contender's first seed that has its files here (records copied from another run have none)
         seed_dirs = {c: min((d for d in (run_dir / sc / c).glob("seed*") if d.is_dir()),
@@ -205,6 +226,8 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
                                missing=0.0)   # as time to target counts it
             loss = _mean_latest(progress, lambda r: r["loss"] if r.get("state") == "training" and r.get("loss", 0) > 0
                                 else None)
+            if byte_level:   # gpt: the hosts' validation bits per byte in place of accuracy
+                acc = _mean_latest(progress, lambda r: r["metric"] / LN2 if r.get("metric_name") == "loss" else None)
             if acc:
                 ax_a.step([t - t0 for t, _ in acc], [v for _, v in acc], where="post", label=c, lw=1.4)
             if loss:
@@ -213,9 +236,13 @@ def plots(run_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) ->
         end = max(max(tr[-1]["t"] for tr in traces.values()) - t0 for t0, traces, _ in data.values())
         for ax in (ax_a, ax_l):
             ax.set_xlim(0, end * 1.03)
-        ax_a.axhline(target, color="grey", ls=":", lw=1)
-        ax_a.set(xlabel="wall time (s)", ylabel="mean test accuracy of the hosts' models",
-                 title=f"{sc}: accuracy vs wall time ({which})")
+        if byte_level:
+            ax_a.set(xlabel="wall time (s)", ylabel="mean validation bits per byte of the hosts' models",
+                     title=f"{sc}: validation bits per byte vs wall time ({which})")
+        else:
+            ax_a.axhline(target, color="grey", ls=":", lw=1)
+            ax_a.set(xlabel="wall time (s)", ylabel="mean test accuracy of the hosts' models",
+                     title=f"{sc}: accuracy vs wall time ({which})")
         ax_l.set(xlabel="wall time (s)", ylabel="mean training loss", yscale="log",
                  title=f"{sc}: training loss vs wall time")
         for ax in (ax_a, ax_l):

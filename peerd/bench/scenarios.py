@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +58,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              slow_prob=0.1, slow_factor=5.0),
     Scenario("two-sites", "two-sites-6", 6, "3+3 hosts, 1 Gbit inside a site, 50 Mbit / 20 ms between"),
     Scenario("mixed-links", "star-6", 6, "star of 6 hosts with 10/10/100/100/1000/1000 Mbit access links"),
+    # Reachability (docs/nat.md): the same 2+2 lab with and without site b behind NAT. Not in the
+    # default set; DDP cannot run behind NAT (its ranks dial each other directly).
+    Scenario("two-sites-4", "two-sites", 4, "2+2 hosts, 1 Gbit inside a site, 50 Mbit / 20 ms between"),
+    Scenario("two-sites-nat", "two-sites-nat", 4, "two-sites-4 with site b behind NAT: peerd tunnels"),
 ]}
+DEFAULT_SCENARIOS = ["homogeneous", "straggler", "random-slowdowns", "two-sites", "mixed-links"]
 CONTENDERS = ["ddp", "d-psgd", "ad-psgd", "hop", "hop-backup-skip", "hop-staleness", "aau", "netmax"]
 # D-PSGD is left out of --quick to fit 30 minutes (Settings.quick); the full run has it.
 QUICK_CONTENDERS = ["ddp", "hop-backup-skip", "netmax"]
@@ -216,7 +221,7 @@ def quiet_limits(egress: dict[str, float], cfg: Config) -> dict[str, float]:
     """Bytes/s each host must send less than for the lab to count as quiet: bench_quiet_rate, and
     at most bench_quiet_share of its own egress rate (a 10 Mbit host never sends 1 MB/s, so a
     fixed rate would call it quiet in the middle of its warm-up)."""
-    return {h: min(cfg.bench_quiet_rate, cfg.bench_quiet_share * rate) for h, rate in egress.items()}
+    return {h: min(cfg.bench.quiet_rate, cfg.bench.quiet_share * rate) for h, rate in egress.items()}
 
 
 def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None], egress: dict[str, float]) -> float | None:
@@ -226,14 +231,14 @@ def _wait_quiet(lb: lab.Lab, cfg: Config, echo: Callable[[str], None], egress: d
     per host, thousands of TCP retransmissions across the 50 Mbit cut, then 0.05 MB/s of
     heartbeats with a settle probe now and then); a scenario's first contender measured during
     that shares its links with the probes, which is not what a user of either tool sees."""
-    sampler = TxSampler(lb, cfg.bench_quiet_window)
-    limits = quiet_limits({h: egress.get(h, float(cfg.plan_unshaped_rate)) for h in lb.hosts}, cfg)
+    sampler = TxSampler(lb, cfg.bench.quiet_window)
+    limits = quiet_limits({h: egress.get(h, float(cfg.plan.unshaped_rate)) for h in lb.hosts}, cfg)
     t0 = time.monotonic()
     prev = {h: sampler.counters(h)[0] for h in lb.hosts}
-    while time.monotonic() - t0 < cfg.bench_quiet_timeout:
-        time.sleep(cfg.bench_quiet_window)
+    while time.monotonic() - t0 < cfg.bench.quiet_timeout:
+        time.sleep(cfg.bench.quiet_window)
         cur = {h: sampler.counters(h)[0] for h in lb.hosts}
-        rates = {h: (cur[h] - prev[h]) / cfg.bench_quiet_window for h in lb.hosts}
+        rates = {h: (cur[h] - prev[h]) / cfg.bench.quiet_window for h in lb.hosts}
         loud = sorted((h for h in lb.hosts if rates[h] >= limits[h]), key=lambda h: -rates[h] / limits[h])
         if not loud:
             return time.monotonic() - t0
@@ -266,14 +271,14 @@ def _wait_links_steady(lb: lab.Lab, cfg: Config, echo: Callable[[str], None]) ->
     come 4, 8, 16, 32, 64 s apart: a byte-rate check passes in one of those gaps, and the next
     probes (25-100 MB each at 1 Gbit, to every peer) then fall into the first run, which sent
     about twice the bytes per step of the same contender's later seeds."""
-    if cfg.bench_settle_timeout <= 0:
+    if cfg.bench.settle_timeout <= 0:
         return None
     t0 = time.monotonic()
     while True:
         late = unsettled_links({h: _cli_json(lb, h, "links", timeout=30.0) for h in lb.hosts})
         if not late:
             return time.monotonic() - t0
-        if time.monotonic() - t0 >= cfg.bench_settle_timeout:
+        if time.monotonic() - t0 >= cfg.bench.settle_timeout:
             return None
         phases = collections.Counter(x.rpartition(":")[2] or x for v in late.values() for x in v)
         echo(f"       waiting for the daemons' link probing to settle ({time.monotonic() - t0:.0f}s): "
@@ -383,7 +388,7 @@ def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run
                    "--iterations", str(st.iterations), "--seed", str(seed), "--eval-every", str(st.eval_every),
                    "--topology", st.topology, "--slowdown", f"{lb.slowdown(h):g}", "--step-time", str(st.step_time),
                    "--slow-prob", str(sc.slow_prob), "--slow-factor", str(sc.slow_factor), "--trace", "--json",
-                   "--join-timeout", str(cfg.bench_swarm_timeout), *(["--non-iid"] if st.non_iid else []),
+                   "--join-timeout", str(cfg.bench.swarm_timeout), *(["--non-iid"] if st.non_iid else []),
                    "--budget", budget(algo, st))
         with open(files.progress[h], "w") as fh:  # a file, not a pipe: a full pipe would stall the stream
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True))
@@ -400,7 +405,7 @@ def run_peerd(lb: lab.Lab, sc: Scenario, algo: str, seed: int, st: Settings, run
         locate()
         return watch()
     try:
-        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/{algo}/seed {seed}", watch_and_locate, echo)
+        _wait_all(procs, cfg.bench.run_timeout, f"{sc.name}/{algo}/seed {seed}", watch_and_locate, echo)
     except RuntimeError as e:
         files.error = str(e)
     locate()
@@ -441,13 +446,13 @@ def run_ddp(lb: lab.Lab, sc: Scenario, seed: int, st: Settings, run_dir: Path, c
                    "-m", "peerd.bench.ddp_worker", "--task", st.task, "--iterations", str(st.iterations),
                    "--seed", str(seed), "--eval-every", str(st.eval_every), "--step-time", str(st.step_time),
                    "--slowdown", f"{lb.slowdown(h):g}", "--slow-prob", str(sc.slow_prob),
-                   "--slow-factor", str(sc.slow_factor), "--timeout", str(cfg.bench_gloo_timeout),
+                   "--slow-factor", str(sc.slow_factor), "--timeout", str(cfg.bench.gloo_timeout),
                    "--trace", str(files.trace[h]), "--progress", str(files.progress[h]), "--model-out", str(model),
                    *(["--non-iid"] if st.non_iid else []))
         with open(run_dir / f"{h}.log", "w") as fh:
             procs.append(lb.popen(h, argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env))
     try:
-        _wait_all(procs, cfg.bench_run_timeout, f"{sc.name}/ddp/seed {seed}", _iter_watch(files), echo)
+        _wait_all(procs, cfg.bench.run_timeout, f"{sc.name}/ddp/seed {seed}", _iter_watch(files), echo)
     except RuntimeError as e:
         files.error = str(e)
     files.models = [model] if model.exists() else []
@@ -587,7 +592,7 @@ def split_times(per_host: dict[str, dict[str, Any]], contender: str, egress_byte
 def egress_rates(prof: profile.Profile) -> dict[str, float]:
     """Bytes/s out of each host of a lab profile, as its eth0 counts them (whole frames): its
     access link, else its fastest pair, else the runtime model's unshaped rate."""
-    unshaped = float(Config().plan_unshaped_rate)
+    unshaped = float(Config().plan.unshaped_rate)
     out = {}
     for h in prof.hosts:
         rates = [prof.pair_rates[(h.name, o.name)] / 8 if (h.name, o.name) in prof.pair_rates else unshaped
@@ -742,7 +747,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         echo(f"{len(done)} of {len(wanted)} runs are already recorded in {results_path}; running the other {total}")
     n = 0
     started, code = time.monotonic(), code_version()
-    port = cfg.bench_master_port
+    port = cfg.bench.master_port
     for name in scenarios:
         if all((name, c, k) in done for c in contenders for k in range(seeds)):
             continue
@@ -756,20 +761,7 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
         lab.up(prof, lab_dir, cfg, daemon_args=DAEMON_ARGS + tuple(shlex.split(st.daemon_args)))
         try:
             lb = lab.Lab(lab_dir)
-            ids = _wait_swarm(lb, cfg.bench_swarm_timeout)
-            settled_after = _wait_links_steady(lb, cfg, echo)
-            if settled_after is not None:
-                echo(f"    link probing steady after {settled_after:.0f}s")
-            else:
-                echo("    " + (f"link probing not steady within {cfg.bench_settle_timeout:g}s (bench_settle_timeout)"
-                              if cfg.bench_settle_timeout > 0 else "not waiting for the link probing to settle")
-                     + ": the first runs may share the links with settle probes")
-            quiet_after = _wait_quiet(lb, cfg, echo, egress_rates(prof))
-            echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
-                 f"    the lab did not quiet down within {cfg.bench_quiet_timeout:g}s (bench_quiet_timeout): "
-                 "the first runs share the links with the daemons' link probes")
-            (out / name / "hosts.json").write_text(json.dumps(
-                {h: {"node_id": ids[h], "ip": lb.ip(h), "slowdown": lb.slowdown(h)} for h in lb.hosts}, indent=2))
+            waits = _prepare_lab(lb, prof, cfg, echo, out / name / "hosts.json")
             for seed in range(seeds):
                 for contender in contenders:
                     if (name, contender, seed) in done:
@@ -779,42 +771,16 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
                     run_dir.mkdir(parents=True, exist_ok=True)
                     echo(f"[{n}/{total}] {name} / {contender} / seed {seed}   "
                          f"(elapsed {time.monotonic() - started:.0f}s)")
-                    t, load0 = time.monotonic(), os.getloadavg()[0]
-                    try:
-                        with TxSampler(lb, cfg.bench_tx_interval) as tx:
-                            if contender == "ddp":
-                                port += 1  # a fresh rendezvous port per run: no TIME_WAIT clash
-                                files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
-                            else:
-                                files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
-                        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name, egress_rates(prof))
-                        if files.error:  # measured until it failed: times count, the run is marked
-                            rec["error"] = files.error
-                            echo(f"    FAILED (measured until then): {files.error}")
-                    except RuntimeError as e:
-                        rec = {"scenario": name, "contender": contender, "seed": seed, "profile": prof.name,
-                               "hosts": hosts, "error": str(e), "time_to_target_s": None, "reached_target": False}
-                        echo(f"    FAILED: {e}")
-                    rec["run_s"] = time.monotonic() - t
-                    rec["lab_quiet_after_s"] = None if quiet_after is None else round(quiet_after, 1)
-                    rec["lab_settled_after_s"] = None if settled_after is None else round(settled_after, 1)
-                    # the machine's 1-minute load average before and after: timings on a shared
-                    # machine are only comparable at like loads
-                    rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-                    # TCP's congestion control changes what a shallow queue behind a faster link costs
-                    rec["tcp_congestion_control"] = lb.state.get("tcp_congestion_control")
+                    if contender == "ddp":
+                        port += 1  # a fresh rendezvous port per run: no TIME_WAIT clash
+                    rec = _one_run(lb, sc, prof, contender, seed, st, run_dir, cfg, port, echo, waits)
                     rec["code"] = code
                     records.append(rec)
                     for path in (results_path, json_file):
                         if path is not None:
                             with open(path, "a") as fh:
                                 fh.write(json.dumps(rec) + "\n")
-                    if "it_per_s" in rec:
-                        ttt = rec["time_to_target_s"]
-                        echo(f"    {'missed the target' if ttt is None else f'target {st.target:.0%} after {ttt:.1f}s'}"
-                             f"; {rec['it_per_s']:.2f} it/s per host, idle {rec['idle_fraction']:.0%}, "
-                             f"{rec['bytes_per_step'] / 1e6:.2f} MB sent per step, "
-                             f"averaged model {rec['final_accuracy'] if rec['final_accuracy'] is None else round(rec['final_accuracy'], 3)}")
+                    _echo_result(rec, st, echo)
             links = {h: _cli_json(lb, h, "links") for h in lb.hosts}
             (out / name / "links.json").write_text(json.dumps(links, indent=2))
         finally:
@@ -822,3 +788,64 @@ def run(scenarios: list[str], contenders: list[str], seeds: int, st: Settings, o
             for h in prof.hosts:  # checkpoints are large; logs and traces stay
                 shutil.rmtree(lab_dir / h.name / "data" / "checkpoints", ignore_errors=True)
     return records
+
+
+def _prepare_lab(lb: lab.Lab, prof: profile.Profile, cfg: Config, echo: Callable[[str], None],
+                 hosts_file: Path) -> dict[str, float | None]:
+    """Wait for the swarm, steady link probing and a quiet lab; write the hosts' ids. Returns how
+    long the settling and the quiet took (None: not reached), for the records."""
+    ids = _wait_swarm(lb, cfg.bench.swarm_timeout)
+    settled_after = _wait_links_steady(lb, cfg, echo)
+    if settled_after is not None:
+        echo(f"    link probing steady after {settled_after:.0f}s")
+    else:
+        echo("    " + (f"link probing not steady within {cfg.bench.settle_timeout:g}s (bench_settle_timeout)"
+                      if cfg.bench.settle_timeout > 0 else "not waiting for the link probing to settle")
+             + ": the first runs may share the links with settle probes")
+    quiet_after = _wait_quiet(lb, cfg, echo, egress_rates(prof))
+    echo(f"    lab quiet after {quiet_after:.0f}s" if quiet_after is not None else
+         f"    the lab did not quiet down within {cfg.bench.quiet_timeout:g}s (bench_quiet_timeout): "
+         "the first runs share the links with the daemons' link probes")
+    hosts_file.write_text(json.dumps(
+        {h: {"node_id": ids[h], "ip": lb.ip(h), "slowdown": lb.slowdown(h)} for h in lb.hosts}, indent=2))
+    return {"quiet": quiet_after, "settled": settled_after}
+
+
+def _one_run(lb: lab.Lab, sc: Scenario, prof: profile.Profile, contender: str, seed: int, st: Settings,
+             run_dir: Path, cfg: Config, port: int, echo: Callable[[str], None],
+             waits: dict[str, float | None]) -> dict[str, Any]:
+    """One contender, one seed: its record (a failed run is a record too)."""
+    t, load0 = time.monotonic(), os.getloadavg()[0]
+    try:
+        with TxSampler(lb, cfg.bench.tx_interval) as tx:
+            if contender == "ddp":
+                files = run_ddp(lb, sc, seed, st, run_dir, cfg, port, echo)
+            else:
+                files = run_peerd(lb, sc, contender, seed, st, run_dir, cfg, echo)
+        rec = summarize(sc, contender, seed, st, lb.hosts, files, tx, prof.name, egress_rates(prof))
+        if files.error:  # measured until it failed: times count, the run is marked
+            rec["error"] = files.error
+            echo(f"    FAILED (measured until then): {files.error}")
+    except RuntimeError as e:
+        rec = {"scenario": sc.name, "contender": contender, "seed": seed, "profile": prof.name,
+               "hosts": len(lb.hosts), "error": str(e), "time_to_target_s": None, "reached_target": False}
+        echo(f"    FAILED: {e}")
+    rec["run_s"] = time.monotonic() - t
+    rec["lab_quiet_after_s"] = None if waits["quiet"] is None else round(waits["quiet"], 1)
+    rec["lab_settled_after_s"] = None if waits["settled"] is None else round(waits["settled"], 1)
+    # the machine's 1-minute load average before and after: timings on a shared machine are only
+    # comparable at like loads
+    rec["load_avg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    # TCP's congestion control changes what a shallow queue behind a faster link costs
+    rec["tcp_congestion_control"] = lb.state.get("tcp_congestion_control")
+    return rec
+
+
+def _echo_result(rec: dict[str, Any], st: Settings, echo: Callable[[str], None]) -> None:
+    if "it_per_s" not in rec:
+        return
+    ttt = rec["time_to_target_s"]
+    acc = rec["final_accuracy"]
+    echo(f"    {'missed the target' if ttt is None else f'target {st.target:.0%} after {ttt:.1f}s'}"
+         f"; {rec['it_per_s']:.2f} it/s per host, idle {rec['idle_fraction']:.0%}, "
+         f"{rec['bytes_per_step'] / 1e6:.2f} MB sent per step, averaged model {acc if acc is None else round(acc, 3)}")

@@ -63,7 +63,7 @@ def cut(lab_dir: str | Path, sites: list[str] | None = None, cfg: Config | None 
         done = set(state.get("cut", []))
         now = [s for s in want if s not in done]
         if now:
-            netns.batch("ip", state["switch"], [f"link set {ups[s]} nomaster" for s in now], cfg.lab_cmd_timeout)
+            netns.batch("ip", state["switch"], [f"link set {ups[s]} nomaster" for s in now], cfg.lab.cmd_timeout)
         state["cut"] = sorted(done | set(now))
         lab_mod._save(lab_dir, state)
         return now
@@ -79,7 +79,7 @@ def heal(lab_dir: str | Path, cfg: Config | None = None) -> list[str]:
         ups, was = state.get("uplinks") or {}, state.get("cut", [])
         if was:
             netns.batch("ip", state["switch"], [f"link set {ups[s]} master {state['core']}" for s in was],
-                        cfg.lab_cmd_timeout)
+                        cfg.lab.cmd_timeout)
         state["cut"] = []
         lab_mod._save(lab_dir, state)
         return was
@@ -91,16 +91,16 @@ def kill_host(lab_dir: str | Path, host: str, cfg: Config | None = None) -> list
     """SIGKILL every process in `host`'s namespace; returns their pids."""
     cfg = cfg or Config()
     lb = lab_mod.Lab(lab_dir)
-    pids = netns.ns_pids(lb.ns(host), cfg.lab_cmd_timeout)
+    pids = netns.ns_pids(lb.ns(host), cfg.lab.cmd_timeout)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + cfg.lab_stop_grace + 5
-    while netns.ns_pids(lb.ns(host), cfg.lab_cmd_timeout):
+    deadline = time.monotonic() + cfg.lab.stop_grace + 5
+    while netns.ns_pids(lb.ns(host), cfg.lab.cmd_timeout):
         if time.monotonic() > deadline:
-            raise LabError(f"host {host}: processes {netns.ns_pids(lb.ns(host), cfg.lab_cmd_timeout)} survive SIGKILL")
+            raise LabError(f"host {host}: processes {netns.ns_pids(lb.ns(host), cfg.lab.cmd_timeout)} survive SIGKILL")
         time.sleep(0.05)
     return pids
 
@@ -135,12 +135,12 @@ def await_daemon(lab_dir: str | Path, host: str, proc: subprocess.Popen, cfg: Co
     lab_dir = Path(lab_dir)
     sock = Path(lab_mod.read_state(lab_dir)["hosts"][host]["data_dir"]) / "peerd.sock"
     log = lab_dir / host / "daemon.log"
-    deadline = time.monotonic() + cfg.lab_ready_timeout
+    deadline = time.monotonic() + cfg.lab.ready_timeout
     while not sock.exists():
         if proc.poll() is not None:
             raise LabError(f"daemon of {host} exited with code {proc.returncode} on restart; log {log}")
         if time.monotonic() > deadline:
-            raise LabError(f"daemon of {host} not ready {cfg.lab_ready_timeout:g} s after restart; log {log}")
+            raise LabError(f"daemon of {host} not ready {cfg.lab.ready_timeout:g} s after restart; log {log}")
         time.sleep(0.05)
 
 
@@ -247,12 +247,7 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
     away: set[str] = set()                 # killed, not yet back in the run
     state_lock = threading.Lock()          # the lab's state file: one writer at a time
     errors: list[str] = []
-    deadline = time.monotonic() + cfg.lab_ready_timeout + 120
-    while not all(s.iteration() >= 1 for s in streams.values()):
-        if time.monotonic() > deadline:
-            raise LabError("chaos: the run did not start on every host: "
-                           + "; ".join(f"{h}: {s.last()}" for h, s in streams.items()))
-        time.sleep(0.2)
+    _await_training(streams, time.monotonic() + cfg.lab.ready_timeout + 120)
     t_start = time.time()
 
     def bring_back(host: str, entry: dict) -> None:
@@ -308,12 +303,30 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
             log(f"chaos: cycle {cycle}: killed {host} ({len(report.kills)} kills)")
         time.sleep(max(0.0, kill_every - (time.monotonic() - t_cycle)))
     for th in threads:
-        th.join(down_for + cfg.lab_ready_timeout + 10)
+        th.join(down_for + cfg.lab.ready_timeout + 10)
     # Wait for the last re-admissions (bounded), then for the end of the run.
-    t_wait = time.monotonic() + cfg.churn_readmit_bound + 30
+    t_wait = time.monotonic() + cfg.lab.churn_readmit_bound + 30
     while away and time.monotonic() < t_wait:
         _note_readmissions(report, streams, down, away)
         time.sleep(0.2)
+    _conclude(report, streams, retired, down, t_start, timeout)
+    if errors:
+        raise LabError("chaos: " + "; ".join(errors))
+    return report
+
+
+def _await_training(streams: dict[str, "TrainStream"], deadline: float) -> None:
+    """Until every host's run has published its first iteration (LabError past `deadline`)."""
+    while not all(s.iteration() >= 1 for s in streams.values()):
+        if time.monotonic() > deadline:
+            raise LabError("chaos: the run did not start on every host: "
+                           + "; ".join(f"{h}: {s.last()}" for h, s in streams.items()))
+        time.sleep(0.2)
+
+
+def _conclude(report: "ChaosReport", streams: dict[str, "TrainStream"], retired: dict[str, list["TrainStream"]],
+              down: dict[str, list[tuple[float, float]]], t_start: float, timeout: float) -> None:
+    """Wait for the end of the run on every host, then fill in states, accuracy and stalls."""
     t_chaos_end = time.time()
     for h, st in streams.items():
         st.finish(timeout)
@@ -324,15 +337,12 @@ def chaos(lab_dir: str | Path, train_args: list[str], *, duration: float, kill_e
         k.pop("_t", None)
         k.pop("_kill", None)
         k.setdefault("readmitted_s", None)
-    for h in lb.hosts:
+    for h in streams:
         recs = [r for st in [*retired[h], streams[h]] for r in st.records]
         recs.sort(key=lambda r: r.get("t", 0))
         # Up to its end of the run: a host that finished first is done, not stalled.
         t_end = min([r["t"] for r in recs if r.get("state") == "done" and "t" in r] + [t_chaos_end])
         report.stalls[h] = longest_stall(recs, t_start, t_end, down[h])
-    if errors:
-        raise LabError("chaos: " + "; ".join(errors))
-    return report
 
 
 def _note_readmissions(report: ChaosReport, streams: dict[str, TrainStream],

@@ -6,6 +6,12 @@ core bridge through an uplink: a veth pair, or, where the site has outgoing dela
 delay wire (two TAPs joined by a userspace process, see delaywire.py). Hosts get addresses in one
 private /24 and no default route, so their traffic can only reach each other.
 
+A site behind NAT (`[sites.b] nat = true`) gets a private /24 of its own and a router namespace
+whose two legs are ports of the site's bridge: the hosts' gateway on the private side, a public
+address in the lab's /24 on the other. It masquerades what leaves and drops every connection that
+starts outside, so other sites can only answer the site's hosts, never dial them; they reach the
+site at the router's address, which is what shaping and delay wires match for it.
+
 Shaping (see shaping.py) sits on the sender's side of each hop: a host's eth0 (per destination
 host, and its access-link rate), the switch end of its veth (the access link towards the host),
 and a site's uplink (per destination site). Propagation delay is added after the uplink queue.
@@ -49,7 +55,7 @@ SWITCH = "sw"
 
 
 def default_dir(cfg: Config) -> Path:
-    return Path(cfg.lab_dir or os.path.join(cfg.data_dir or default_data_dir(), "lab")).expanduser()
+    return Path(cfg.lab.dir or os.path.join(cfg.node.data_dir or default_data_dir(), "lab")).expanduser()
 
 
 def ns_name(lab_id: str, host: str) -> str:
@@ -130,6 +136,26 @@ def _host_ip(net: ipaddress.IPv4Network, index: int) -> str:
     return str(net.network_address + index)
 
 
+def _nat_plan(profile: Profile, lab_id: str, net: ipaddress.IPv4Network) -> dict[str, dict[str, str]]:
+    """Each NAT'd site's router: its namespace, its public address in the lab's /24 (.251 up), and
+    the site's private /24 (10.251+j.X.0/24), whose .254 is the router and the hosts' gateway."""
+    third = net.network_address.packed[2]
+    plan = {}
+    for j, site in enumerate(profile.nat_sites):
+        private = ipaddress.IPv4Network(f"10.{251 + j}.{third}.0/24")
+        plan[site] = {"ns": ns_name(lab_id, f"nat{j}"), "public": str(net.network_address + 251 + j),
+                      "subnet": str(private), "gateway": str(private.network_address + 254),
+                      "inside": f"n{lab_id}{j}i", "outside": f"n{lab_id}{j}o"}
+    return plan
+
+
+def reach_ip(state: dict[str, Any], host: str) -> str:
+    """The address hosts of other sites send to for `host`: its own, or its site's NAT router's."""
+    h = state["hosts"][host]
+    nat = state.get("nat", {}).get(h["site"])
+    return nat["public"] if nat else h["ip"]
+
+
 # --- up ---------------------------------------------------------------------------------------
 
 def up(profile: Profile, lab_dir: str | os.PathLike, cfg: Config | None = None, *, daemons: bool = True,
@@ -159,8 +185,11 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
         if not any(n.startswith(f"peerd-{lab_id}-") for n in existing):
             break
     net = _pick_subnet(lab_id)
-    hosts = {h.name: {"ns": ns_name(lab_id, h.name), "ip": _host_ip(net, h.index), "index": h.index,
-                      "site": h.site, "slowdown": h.slowdown, "link_bps": h.link_bps,
+    nat = _nat_plan(profile, lab_id, net)
+    hosts = {h.name: {"ns": ns_name(lab_id, h.name),
+                      "ip": _host_ip(ipaddress.IPv4Network(nat[h.site]["subnet"]) if h.site in nat else net, h.index),
+                      "index": h.index, "site": h.site, "slowdown": h.slowdown, "link_bps": h.link_bps,
+                      "relay": h.relay,
                       "data_dir": str(lab_dir / h.name / "data")} for h in profile.hosts}
     links = [{"src": a.name, "dst": b.name, "rate_bps": profile.pair_rates.get((a.name, b.name)),
               "delay_s": profile.delay(a.name, b.name),
@@ -171,6 +200,7 @@ def _up(profile: Profile, lab_dir: Path, cfg: Config, daemons: bool, daemon_args
         "version": 1, "id": lab_id, "run_id": f"lab-{lab_id}", "dir": str(lab_dir), "phase": "creating",
         "created": time.time(), "profile": profile.name, "subnet": str(net),
         "switch": ns_name(lab_id, SWITCH), "namespaces": [], "processes": [], "hosts": hosts, "links": links,
+        "nat": nat,
     }
     _save(lab_dir, state)
     try:
@@ -218,12 +248,30 @@ def _set_congestion_control(namespaces: list[str], want: str, timeout: float) ->
 
 def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, daemons: bool,
            daemon_args: tuple[str, ...], python: str, seeds: bool = True) -> None:
-    lab_id, t = state["id"], cfg.lab_cmd_timeout
+    """Namespaces and links, delay wires, shaping, the secret, then the daemons; each recorded in
+    the state file before it exists, so a crash in between leaks nothing `peerd lab down` misses."""
+    uplink, bridge, core = _build_links(profile, state, lab_dir, cfg)
+    _start_wires(profile, state, lab_dir, cfg, python, uplink, bridge, core)
+    _shape(profile, state, cfg, uplink)
+    secret = lab_dir / SECRET
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    if daemons:
+        _start_daemons(profile, state, lab_dir, cfg, daemon_args, python, seeds, secret)
+
+
+def _build_links(profile: Profile, state: dict[str, Any], lab_dir: Path,
+                 cfg: Config) -> tuple[dict[str, tuple[str, str]], dict[str, str], str]:
+    """Namespaces, bridges (one per site, a core between sites), veths and addresses; returns each
+    site's uplink (device on the site bridge, device on the core bridge), the bridges and the core."""
+    lab_id, t = state["id"], cfg.lab.cmd_timeout
     sw = state["switch"]
     hosts = state["hosts"]
 
+    nat = state.get("nat", {})
     # Namespaces: recorded first, created second, so a crash in between leaks nothing.
-    for ns in [sw] + [h["ns"] for h in hosts.values()]:
+    for ns in [sw] + [h["ns"] for h in hosts.values()] + [r["ns"] for r in nat.values()]:
         state["namespaces"].append(ns)
         _save(lab_dir, state)
         netns.ns_add(ns, t)
@@ -233,7 +281,6 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
     core = f"b{lab_id}c"
     multi = len(profile.sites) > 1
     delayed = set(profile.delayed_sites)
-    # uplink[site] = (device on the site bridge, device on the core bridge)
     uplink = {s: ((f"t{lab_id}{k}a", f"t{lab_id}{k}b") if s in delayed else (f"u{lab_id}{k}a", f"u{lab_id}{k}b"))
               for s, k in site_idx.items()} if multi else {}
 
@@ -247,6 +294,10 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
         v = f"v{lab_id}h{h['index']}"
         lines += [f"link add {v} type veth peer name eth0 netns {h['ns']}",
                   f"link set {v} master {bridge[h['site']]}", f"link set {v} up"]
+    for site, r in nat.items():     # the router: both its legs are ports of the site's bridge
+        for dev, inner in ((r["inside"], "in0"), (r["outside"], "out0")):
+            lines += [f"link add {dev} type veth peer name {inner} netns {r['ns']}",
+                      f"link set {dev} master {bridge[site]}", f"link set {dev} up"]
     for s, (a, b) in uplink.items():
         if s not in delayed:
             lines += [f"link add {a} type veth peer name {b}", f"link set {a} master {bridge[s]}",
@@ -258,76 +309,126 @@ def _build(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, 
     _save(lab_dir, state)
     prefix = ipaddress.IPv4Network(state["subnet"]).prefixlen
     for h in hosts.values():
+        gateway = nat[h["site"]]["gateway"] if h["site"] in nat else None
         netns.batch("ip", h["ns"], ["link set lo up", f"addr add {h['ip']}/{prefix} dev eth0",
-                                    "link set eth0 up"], t)
+                                    "link set eth0 up"] + ([f"route add default via {gateway}"] if gateway else []), t)
         # Per network namespace: the same for every process of the host (daemons, DDP, probes).
         netns.run(["ip", "netns", "exec", h["ns"], "sysctl", "-qw",
-                   f"net.ipv4.tcp_slow_start_after_idle={int(cfg.lab_tcp_slow_start_after_idle)}"], t)
+                   f"net.ipv4.tcp_slow_start_after_idle={int(cfg.lab.tcp_slow_start_after_idle)}"], t)
+    for site, r in nat.items():
+        _build_router(r, state["subnet"], lab_dir, t)
     state["tcp_congestion_control"] = _set_congestion_control([h["ns"] for h in hosts.values()],
-                                                              cfg.lab_tcp_congestion_control, t)
+                                                              cfg.lab.tcp_congestion_control, t)
     _save(lab_dir, state)
+    return uplink, bridge, core
 
-    # Delay wires: one process per delayed site, holding its two TAPs.
+
+def _build_router(r: dict[str, str], public_subnet: str, lab_dir: Path, t: float) -> None:
+    """A NAT router: forwards its site's private /24 to the lab's /24 with masquerade, and drops
+    every connection that starts outside (counted: `nft list chain ip peerd_nat forward`)."""
+    private_len = ipaddress.IPv4Network(r["subnet"]).prefixlen
+    public_len = ipaddress.IPv4Network(public_subnet).prefixlen
+    netns.batch("ip", r["ns"], ["link set lo up", f"addr add {r['gateway']}/{private_len} dev in0", "link set in0 up",
+                                f"addr add {r['public']}/{public_len} dev out0", "link set out0 up"], t)
+    # Both legs hear every ARP of the bridge: each answers only for its own address, or the
+    # site's hosts would send to the outside leg, where the filter drops what arrives.
+    for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0", "net.ipv4.conf.all.arp_ignore=1",
+                "net.ipv4.conf.all.arp_announce=2"):
+        netns.run(["ip", "netns", "exec", r["ns"], "sysctl", "-qw", key], t)
+    if shutil.which("nft") is None:
+        raise LabError("a site behind NAT needs nft (Debian/Ubuntu: apt-get install nftables)")
+    rules = lab_dir / f"{r['ns']}.nft"
+    rules.write_text(NAT_RULES.format(private=r["subnet"]))
+    netns.run(["ip", "netns", "exec", r["ns"], "nft", "-f", str(rules)], t)
+
+
+NAT_RULES = """table ip peerd_nat {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname "out0" ip saddr {private} masquerade
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    iifname "in0" oifname "out0" accept
+    iifname "out0" oifname "in0" ct state established,related accept
+    iifname "out0" counter drop comment "inbound connections"
+  }}
+}}
+"""
+
+
+def _start_wires(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, python: str,
+                 uplink: dict[str, tuple[str, str]], bridge: dict[str, str], core: str) -> None:
+    """Delay wires: one process per delayed site, holding its two TAPs."""
+    sw, hosts, t = state["switch"], state["hosts"], cfg.lab.cmd_timeout
     for s in profile.sites:
-        if s not in delayed:
+        if s not in set(profile.delayed_sites):
             continue
         a, b = uplink[s]
-        out = {hosts[h.name]["ip"]: [l.delay_s, l.loss]
+        out = {reach_ip(state, h.name): [l.delay_s, l.loss]
                for (src, dst), l in profile.site_links.items() if src == s
                for h in profile.site_hosts(dst)}
-        spec = {"a": a, "b": b, "out": out, "max_bytes": cfg.lab_wire_max_bytes}
+        spec = {"a": a, "b": b, "out": out, "max_bytes": cfg.lab.wire_max_bytes}
         proc = netns.spawn(sw, [python, "-m", "peerd.lab.delaywire", json.dumps(spec)], env=_child_env(),
                            log=lab_dir / f"wire-{s}.log", stdout_pipe=True)
         _record(lab_dir, state, f"wire:{s}", proc.pid)
-        _wait_line(proc, "ready", cfg.lab_ready_timeout, f"delay wire of site {s}", lab_dir / f"wire-{s}.log")
+        _wait_line(proc, "ready", cfg.lab.ready_timeout, f"delay wire of site {s}", lab_dir / f"wire-{s}.log")
         netns.batch("ip", sw, [f"link set {a} master {bridge[s]}", f"link set {b} master {core}",
                                f"link set {a} up", f"link set {b} up"], t)
 
-    # Shaping.
+
+def _shape(profile: Profile, state: dict[str, Any], cfg: Config, uplink: dict[str, tuple[str, str]]) -> None:
+    """htb on every host's eth0 (its access link, per-pair rates) and on each site's uplink."""
+    lab_id, sw, hosts, t = state["id"], state["switch"], state["hosts"], cfg.lab.cmd_timeout
     q = shaping.settings(cfg)
     sw_tc: list[str] = []
+    nat = state.get("nat", {})
     for h in profile.hosts:
-        rates = {hosts[dst]["ip"]: r for (src, dst), r in profile.pair_rates.items() if src == h.name}
+        # Behind NAT a host's packets for another site all go to that site's router: no per-host rate.
+        rates = {hosts[dst]["ip"]: r for (src, dst), r in profile.pair_rates.items()
+                 if src == h.name and (hosts[dst]["site"] == h.site or hosts[dst]["site"] not in nat)}
         netns.batch("tc", hosts[h.name]["ns"],
                     shaping.htb_commands("eth0", h.link_bps, shaping.per_destination(rates), **q), t)
         sw_tc += shaping.htb_commands(f"v{lab_id}h{h.index}", h.link_bps, [], **q)
     for s, (a, _) in uplink.items():
-        classes = [shaping.DstClass(l.rate_bps, tuple(hosts[x.name]["ip"] for x in profile.site_hosts(dst)),
+        classes = [shaping.DstClass(l.rate_bps, tuple(sorted({reach_ip(state, x.name) for x in profile.site_hosts(dst)})),
                                     rtt_s=profile.site_rtt(src, dst))
                    for (src, dst), l in profile.site_links.items() if src == s and l.rate_bps]
         sw_tc += shaping.htb_commands(a, None, classes, **q)
     netns.batch("tc", sw, sw_tc, t)
 
-    # Secret and daemons.
-    secret = lab_dir / SECRET
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    if not daemons:
-        return
-    port = cfg.lab_daemon_port
+
+def _start_daemons(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config,
+                   daemon_args: tuple[str, ...], python: str, seeds: bool, secret: Path) -> None:
+    """One daemon per host, each seeded with the first host (the first with the second); waits
+    until every one has its control socket."""
+    hosts = state["hosts"]
+    port = cfg.lab.daemon_port
     names = list(hosts)
     started = []
     for name, h in hosts.items():
-        seed = names[0] if name != names[0] else (names[1] if len(names) > 1 else None)
+        # h1 seeds everyone; h1 is seeded by the next host peers can dial (not one behind NAT)
+        dialable = [n for n in names[1:] if hosts[n]["site"] not in state.get("nat", {})]
+        seed = names[0] if name != names[0] else (dialable[0] if dialable else None)
         data_dir = Path(h["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = daemon_argv(python, h["ip"], port, data_dir, state["run_id"], secret,
-                           [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [], daemon_args,
+                           [f"{hosts[seed]['ip']}:{port}"] if seed and seeds else [],
+                           (*daemon_args, *(["--relay"] if h.get("relay") else [])),
                            site=h["site"] if len(profile.sites) > 1 else "")
         log = lab_dir / name / "daemon.log"
         h["argv"] = argv                 # for a restart (churn.py)
         proc = netns.spawn(h["ns"], argv, env=_child_env({"PEERD_SLOWDOWN": f"{h['slowdown']:g}"}), log=log)
         _record(lab_dir, state, f"daemon:{name}", proc.pid)
         started.append((name, proc, data_dir / "peerd.sock", log))
-    deadline = time.monotonic() + cfg.lab_ready_timeout
+    deadline = time.monotonic() + cfg.lab.ready_timeout
     for name, proc, sock, log in started:
         while not sock.exists():
             if proc.poll() is not None:
                 raise LabError(f"daemon of {name} exited with code {proc.returncode} before it was ready; "
                                f"log {log}:\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise LabError(f"daemon of {name} did not create {sock} within {cfg.lab_ready_timeout:g} s "
+                raise LabError(f"daemon of {name} did not create {sock} within {cfg.lab.ready_timeout:g} s "
                                f"(lab_ready_timeout); log {log}:\n{_tail(log)}")
             time.sleep(0.05)
 
@@ -387,7 +488,7 @@ def _down(lab_dir: Path, cfg: Config, purge: bool) -> list[str] | None:
     if not (lab_dir / STATE).exists():
         return None
     state = read_state(lab_dir)
-    lab_id, grace, t = state["id"], cfg.lab_stop_grace, cfg.lab_cmd_timeout
+    lab_id, grace, t = state["id"], cfg.lab.stop_grace, cfg.lab.cmd_timeout
     prefix = f"peerd-{lab_id}-"
     stuck = netns.stop([(p["pid"], p["start"]) for p in state["processes"]], grace)
     ours = set(state["namespaces"]) | {n for n in netns.ns_list() if n.startswith(prefix)}

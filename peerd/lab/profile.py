@@ -13,9 +13,12 @@ Schema (all keys optional except where noted; unknown keys are errors):
     [host.h1]
     link = "10mbit"                   # the host's access link, each direction (one rate per host)
     slowdown = 4.0                    # compute straggler factor (>= 1), exported as PEERD_SLOWDOWN
+    relay = false                     # true: its daemon relays for hosts behind NAT (`peerd up --relay`)
     [sites.a]
     hosts = ["h1", "h2"]              # if any site is given, every host must be in exactly one
     rate = "1gbit"                    # pairs inside this site (overrides defaults.rate)
+    nat = false                       # true: the site sits behind a NAT router that drops inbound
+                                      # connections (its hosts get private addresses; h1 may not be in it)
     [[site_links]]
     sites = ["a", "b"]                # required
     rate = "50mbit"                   # aggregate between the two sites, each direction
@@ -43,6 +46,7 @@ MAX_HOSTS = 250          # one private /24, .1 .. .250
 MIN_RATE = 8_000         # bit/s; tc cannot shape usefully below this
 MAX_RATE = 100 * 10**9
 MAX_DELAY = 10.0         # seconds, one way
+MAX_NAT_SITES = 4        # each NAT router takes one of .251 .. .254 of the lab's /24
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
           "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
@@ -61,6 +65,7 @@ class Host:
     site: str
     link_bps: int | None     # access link rate, each direction; None = unshaped
     slowdown: float
+    relay: bool = False      # its daemon runs with --relay
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class Profile:
     sites: tuple[str, ...]                          # in order; one implicit site "lan" if none given
     pair_rates: dict[tuple[str, str], int] = field(default_factory=dict)   # ordered (src, dst) -> bit/s
     site_links: dict[tuple[str, str], SiteLink] = field(default_factory=dict)  # ordered
+    nat_sites: tuple[str, ...] = ()                 # sites behind a NAT router
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -178,19 +184,44 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HOSTS:
         raise ProfileError(f"{where_n}: expected an integer in 1..{MAX_HOSTS}, got {n!r}")
     names = [f"h{i}" for i in range(1, n + 1)]
-    name_set = set(names)
 
     defaults = _table(data.get("defaults", {}), "defaults", {"rate"})
     default_rate = parse_rate(defaults["rate"], "defaults.rate") if "rate" in defaults else None
 
-    # Per-host settings.
+    links, slow, relay = _parse_hosts(data, names, n)
+    sites, site_of, site_rate, nat = _parse_sites(data, names, n)
+    pair_rates = _parse_pairs(data, names, n, site_of, site_rate, default_rate)
+    site_links = _parse_site_links(data, sites)
+    hosts = tuple(Host(h, i + 1, site_of[h], links[h], slow[h], h in relay) for i, h in enumerate(names))
+    for h in relay:
+        if site_of[h] in nat:
+            raise ProfileError(f"host.{h}.relay: a relay must be reachable, and site {site_of[h]!r} is behind NAT")
+    if nat and len(sites) < 2:
+        raise ProfileError(f"sites.{nat[0]}.nat: a site behind NAT needs another site to be hidden from")
+    if site_of[names[0]] in nat:
+        raise ProfileError(f"sites.{site_of[names[0]]}.nat: h1 seeds every other host, so its site cannot be "
+                           f"behind NAT (list the NAT'd site's hosts after a reachable site's)")
+    if len(nat) > MAX_NAT_SITES:
+        raise ProfileError(f"sites: at most {MAX_NAT_SITES} sites behind NAT, got {len(nat)}")
+    return Profile(name, desc, hosts, sites, pair_rates, site_links, nat)
+
+
+def _parse_hosts(data: dict[str, Any], names: list[str], n: int) -> tuple[dict[str, int | None], dict[str, float],
+                                                                        set[str]]:
+    """Per-host settings: access link rate, compute slowdown, relaying."""
+    name_set = set(names)
+    relay: set[str] = set()
     links: dict[str, int | None] = {h: None for h in names}
     slow: dict[str, float] = {h: 1.0 for h in names}
     for hname, spec in _table(data.get("host", {}), "host", name_set | set(data.get("host", {}))).items():
         where = f"host.{hname}"
         if hname not in name_set:
             raise ProfileError(f"{where}: no such host (hosts are h1..h{n}; raise --hosts or drop it)")
-        _table(spec, where, {"link", "slowdown"})
+        _table(spec, where, {"link", "slowdown", "relay"})
+        if not isinstance(spec.get("relay", False), bool):
+            raise ProfileError(f"{where}.relay: expected true or false, got {spec['relay']!r}")
+        if spec.get("relay"):
+            relay.add(hname)
         if "link" in spec:
             links[hname] = parse_rate(spec["link"], f"{where}.link")
         if "slowdown" in spec:
@@ -199,8 +230,14 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
                 raise ProfileError(f"{where}.slowdown: expected a factor in [1, 1000] "
                                    f"(compute takes this many times longer), got {s!r}")
             slow[hname] = float(s)
+    return links, slow, relay
 
-    # Sites.
+
+def _parse_sites(data: dict[str, Any], names: list[str], n: int) -> tuple[tuple[str, ...], dict[str, str],
+                                                                        dict[str, int], tuple[str, ...]]:
+    """[sites]: which site each host is in, each site's internal rate, the sites behind NAT."""
+    name_set = set(names)
+    nat: list[str] = []
     raw_sites = _table(data.get("sites", {}), "sites", set(data.get("sites", {})))
     site_of: dict[str, str] = {}
     site_rate: dict[str, int] = {}
@@ -208,7 +245,11 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
         where = f"sites.{sname}"
         if not _SITE_NAME.match(sname):
             raise ProfileError(f"{where}: site names are 1-32 letters, digits, '_' or '-'")
-        _table(spec, where, {"hosts", "rate"})
+        _table(spec, where, {"hosts", "rate", "nat"})
+        if not isinstance(spec.get("nat", False), bool):
+            raise ProfileError(f"{where}.nat: expected true or false, got {spec['nat']!r}")
+        if spec.get("nat"):
+            nat.append(sname)
         if "hosts" not in spec:
             raise ProfileError(f"{where}.hosts: required")
         for h in _host_list(spec["hosts"], f"{where}.hosts", name_set, n):
@@ -226,8 +267,13 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
     else:
         sites = ("lan",)
         site_of = {h: "lan" for h in names}
+    return sites, site_of, site_rate, tuple(nat)
 
-    # Pair rates: defaults, then site-internal rates, then explicit pairs.
+
+def _parse_pairs(data: dict[str, Any], names: list[str], n: int, site_of: dict[str, str],
+                 site_rate: dict[str, int], default_rate: int | None) -> dict[tuple[str, str], int]:
+    """Pair rates: defaults, then site-internal rates, then explicit [[pairs]]."""
+    name_set = set(names)
     pair_rates: dict[tuple[str, str], int] = {}
     for a in names:
         for b in names:
@@ -260,8 +306,11 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
         pair_rates[(hs[0], hs[1])] = r
         if not oneway:
             pair_rates[(hs[1], hs[0])] = r
+    return pair_rates
 
-    # Site links.
+
+def _parse_site_links(data: dict[str, Any], sites: tuple[str, ...]) -> dict[tuple[str, str], "SiteLink"]:
+    """[[site_links]]: rate, delay and loss between two sites."""
     site_links: dict[tuple[str, str], SiteLink] = {}
     raw_links = data.get("site_links", [])
     if not isinstance(raw_links, list):
@@ -287,9 +336,7 @@ def _parse(data: dict[str, Any], n_hosts: int | None) -> Profile:
             if (a, b) in site_links:
                 raise ProfileError(f"{where}.sites: link {a} -> {b} is given twice")
             site_links[(a, b)] = SiteLink(a, b, rate, delay, float(loss))
-
-    hosts = tuple(Host(h, i + 1, site_of[h], links[h], slow[h]) for i, h in enumerate(names))
-    return Profile(name, desc, hosts, sites, pair_rates, site_links)
+    return site_links
 
 
 def shipped() -> list[str]:

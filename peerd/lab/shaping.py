@@ -44,8 +44,8 @@ class DstClass:
 
 def settings(cfg) -> dict[str, float]:
     """The queue settings of htb_commands from a Config: the lab and containers shape alike."""
-    return dict(queue_ms=cfg.lab_queue_ms, queue_min_bytes=cfg.lab_queue_min_bytes,
-                control_share=cfg.lab_control_share)
+    return dict(queue_ms=cfg.lab.queue_ms, queue_min_bytes=cfg.lab.queue_min_bytes,
+                control_share=cfg.lab.control_share)
 
 
 def _queue(rate_bps: int, queue_ms: float, min_bytes: int) -> int:

@@ -41,6 +41,7 @@ import concurrent.futures
 import inspect
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ import grpc
 import torch
 
 from peerd.config import Config
+from peerd.net import copies as cp
+from peerd.net import quant
 from peerd.net import tensorwire as tw
 from peerd.v1 import peer_pb2 as pb
 
@@ -65,12 +68,15 @@ KINDS = frozenset({"model", "probe", "state", "carry"})
 # kinds whose receive buffers are freed, not pooled: link probes come in ever different sizes,
 # and the exact-size pool would fill with them up to dataplane_pool_bytes
 UNPOOLED_KINDS = frozenset({"probe"})
+UPDATE_KINDS = frozenset({"model", "carry"})   # a run's updates (pushed, or carried to a puller)
 # refusals that are the sending peer's fault, not the network's: reported to on_offence
 OFFENCES = frozenset({"layout_mismatch"})
 # refusals counted but not logged one by one (a flagged peer's every update)
 QUIET_REASONS = frozenset({"screened"})
-CRC_PART = 8 << 20     # sender checksums parts of this size in parallel
-CHECKSUMS = frozenset({"crc32", "none"})
+ACTIVITY_EVERY = 0.5   # seconds between two on_activity calls for one peer
+CRC_PART = 8 << 20     # checksums are computed in parts of this size, in parallel, then combined
+CHECKSUMS = frozenset({"crc32c", "crc32", "none"})
+MAX_MASS = 1e9         # largest header.mass accepted (a weight relative to other updates)   # what a receiver checks; the sender's is in Config
 
 
 def grpc_options(config: Config) -> list[tuple[str, Any]]:
@@ -81,15 +87,15 @@ def grpc_options(config: Config) -> list[tuple[str, Any]]:
     a 50 ms RTT link ran at 90 instead of 380 Mbit/s. Keepalive detects dead peers that mDNS
     never forgets. Pending-request limits are raised so bursts queue instead of being cancelled.
     """
-    frame = max(config.dataplane_chunk_bytes, config.dataplane_max_header_bytes) + 64
-    limit = max(frame, config.max_control_message_bytes)
-    ka_ms = int(config.keepalive_interval * 1000)
+    frame = max(config.dataplane.chunk_bytes, config.dataplane.max_header_bytes) + 64
+    limit = max(frame, config.node.max_control_message_bytes)
+    ka_ms = int(config.dataplane.keepalive_interval * 1000)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.http2.bdp_probe", 1),
         ("grpc.keepalive_time_ms", ka_ms),
-        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.dataplane.keepalive_timeout * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # the server must tolerate the clients' ping rate, or it answers with GOAWAY too_many_pings
@@ -160,6 +166,9 @@ class Received:
     compression: int
     compression_error_bound: float  # relative bound of the cast (tw.ROUNDING_BOUND; 0 uncompressed)
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    stats: tw.ParamStats | None = None   # for kinds with a layout set (a run's): computed off the loop
+    sunk: bool = False                   # the bytes went to the daemon's Sink: `buffer` is empty
+    mass: float = 1.0                    # the sender's weight for this update in a mix (header.mass)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.layout.views(self.buffer)
@@ -187,6 +196,10 @@ class Outgoing:
     keep: tuple = ()              # owners of the memory behind `pieces`
     checksum: int | None = None   # crc32 of the bytes, filled in by the first push
     _pending: Any = field(default=None, repr=False)   # the first push's checksum in progress
+    mass: float = 1.0             # weight in the receivers' mixes (DiLoCo: the inner steps it took)
+    # bytes changed since the previous one; not None: push in copy mode (peerd.net.copies), which a
+    # sender of changed ranges uses for every push of its run (the whole buffer as one range at first)
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> "Outgoing":
@@ -195,11 +208,21 @@ class Outgoing:
         return cls(tw.Layout.of(cpu, names), [tw.byte_view(t) for t in cpu], tuple(cpu))
 
     @classmethod
-    def from_buffer(cls, buf: torch.Tensor, layout: tw.Layout) -> "Outgoing":
-        """A flat uint8 buffer (e.g. a shared-memory slot) holding `layout`."""
+    def from_buffer(cls, buf: torch.Tensor, layout: tw.Layout, movable: bool = False) -> "Outgoing":
+        """A flat uint8 buffer (e.g. a shared-memory slot) holding `layout`. `movable`: its bytes may
+        be moved to an identical copy while it streams (`move_to`)."""
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != layout.nbytes:
             raise ValueError(f"buffer: want flat uint8 of {layout.nbytes} bytes, got {buf.dtype} {tuple(buf.shape)}")
-        return cls(layout, [tw.byte_view(buf)], (buf,))
+        view = tw.byte_view(buf)
+        return cls(layout, [tw.Movable(view) if movable else view], (buf,))
+
+    def move_to(self, buf: torch.Tensor) -> None:
+        """Stream the rest from `buf`, a copy of the same bytes (the checksum holds)."""
+        piece = self.pieces[0]
+        if not isinstance(piece, tw.Movable) or buf.numel() != len(piece):
+            raise ValueError("move_to: a movable single-buffer Outgoing and a buffer of its size")
+        piece.view = tw.byte_view(buf)
+        self.keep = (buf,)
 
 
 @dataclass
@@ -224,6 +247,25 @@ class PushResult:
 
 # source(requester, kind, min_iteration) -> Snapshot | None, sync or async: what a pull serves
 Source = Callable[[str, str, int], "Snapshot | None | Awaitable[Snapshot | None]"]
+
+
+class Sink:
+    """Where a transfer's bytes go instead of a receive buffer (the daemon's choice at its header,
+    `DataPlane.sink_for`): each chunk is handed over as it arrives, in order, and the sink keeps
+    what it needs (e.g. adds it into a running sum). The data plane still checks framing and the
+    checksum; `finish` is awaited once every byte arrived and the checksum held, `abort` when the
+    transfer failed after some chunks were handed over."""
+
+    async def chunk(self, offset: int, data: memoryview) -> None:
+        """Take one chunk; may wait (back-pressure: the stream is read no faster than the sink
+        keeps up, so chunks never pile up in memory)."""
+        raise NotImplementedError
+
+    async def finish(self) -> "tw.ParamStats | None":
+        raise NotImplementedError
+
+    def abort(self, why: str) -> None:
+        raise NotImplementedError
 
 
 # ---- memory: pool and budget -----------------------------------------------------------------
@@ -255,15 +297,21 @@ class BufferPool:
         n = buf.numel()
         if n < 4096 or n > self.max_idle:  # tiny buffers are cheap to make; keep the lists short
             return
-        while self.idle_bytes + n > self.max_idle and self.idle:
-            size, bufs = next(iter(self.idle.items()))  # drop the least recently used size first
+        self.trim(self.max_idle - n)
+        self.idle.setdefault(n, []).append(buf)
+        self.idle.move_to_end(n)
+        self.idle_bytes += n
+
+    def trim(self, keep: int | None = None) -> None:
+        """Drop idle buffers, least recently used size first, until at most `keep` bytes (default
+        max_idle) stay idle."""
+        keep = self.max_idle if keep is None else keep
+        while self.idle_bytes > keep and self.idle:
+            size, bufs = next(iter(self.idle.items()))
             bufs.pop()
             self.idle_bytes -= size
             if not bufs:
                 del self.idle[size]
-        self.idle.setdefault(n, []).append(buf)
-        self.idle.move_to_end(n)
-        self.idle_bytes += n
 
 
 class Budget:
@@ -329,7 +377,9 @@ class DataPlane:
         self.source = source
         self.layouts: dict[str, tw.Layout] = {}
         self.kinds: set[str] = set(KINDS)
-        self.pool = BufferPool(config.dataplane_pool_bytes)
+        self.pool = BufferPool(config.dataplane.pool_bytes)
+        self.senders = cp.Senders(self.pool)                      # our public copies (copy mode)
+        self.copies = cp.ReceiverCopies(config.dataplane.copies_max)   # senders' public copies
         self._budget: Budget | None = None
         self._client_sems: dict[str, asyncio.Semaphore] = {}
         self._server_active: collections.Counter[str] = collections.Counter()
@@ -340,14 +390,29 @@ class DataPlane:
         # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
         self.screen: Callable[[str, str], str | None] | None = None
         self.on_offence: Callable[[str, str], None] | None = None
+        # sink_for(header, peer): a Sink to take this transfer's chunks instead of a buffer, or None
+        self.sink_for: Callable[[pb.TensorHeader, str], Sink | None] | None = None
+        # activity.fn(peer): bytes from `peer` are arriving (at most every ACTIVITY_EVERY s per peer):
+        # life, whatever the heartbeats do; update_activity.fn: bytes of an update (a run's: slow, not silent)
+        self.activity, self.update_activity = Throttle(ACTIVITY_EVERY), Throttle(ACTIVITY_EVERY)
         # checksums run beside the event loop: zlib releases the GIL, chunks combine by length
         self.crc_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="peerd-crc")
 
     def close(self) -> None:
         self.crc_pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def checksum_algo(self) -> str:
+        """What this node's pushes carry: Config's choice; crc32c falls back to crc32 where the
+        crc32c package is missing."""
+        algo = self.cfg.dataplane.checksum
+        return "crc32" if algo == "crc32c" and not tw.HAVE_CRC32C else algo
+
     async def checksum(self, pieces: Sequence[memoryview]) -> int:
-        """CRC-32 of the concatenated `pieces`, computed in parallel off the event loop."""
+        """This node's checksum (checksum_algo) of the concatenated `pieces`, off the event loop
+        (crc32 in parallel parts combined; crc32c, five times faster, in one pass)."""
+        if self.checksum_algo == "crc32c":
+            return await asyncio.wrap_future(self.crc_pool.submit(tw.crc32c, list(pieces)))
         parts = tw.split(pieces, CRC_PART)
         if sum(len(p) for p in parts) < 1 << 20:
             return tw.crc32(parts)
@@ -370,12 +435,23 @@ class DataPlane:
 
     # -- configuration ---------------------------------------------------------------------------
     def set_layout(self, kind: str, layout: tw.Layout | None) -> None:
-        """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any)."""
+        """Refuse transfers of `kind` whose dtypes or shapes differ from `layout` (None: any). The
+        idle pool is bounded by dataplane_pool_models times the largest layout set."""
         if layout is None:
             self.layouts.pop(kind, None)
         else:
             self.accept_kind(kind)
             self.layouts[kind] = layout
+        self.senders.keep_kinds(set(self.layouts))
+        self.copies.keep_kinds(set(self.layouts))
+        dp = self.cfg.dataplane
+        largest = max((lay.nbytes for lay in self.layouts.values()), default=0)
+        self.pool.max_idle = min(dp.pool_bytes, int(dp.pool_models * largest)) if largest else dp.pool_bytes
+        self.pool.trim()
+
+    def layout_for(self, kind: str) -> tw.Layout | None:
+        """The layout transfers of `kind` must have (None: any)."""
+        return self.layouts.get(kind, self.layouts.get(_base_kind(kind)))
 
     def accept_kind(self, kind: str) -> None:
         """Accept pushes and pulls of `kind` (a short label) besides the default KINDS."""
@@ -386,12 +462,13 @@ class DataPlane:
     @property
     def budget(self) -> Budget:
         if self._budget is None:  # created lazily: asyncio primitives bind to the running loop
-            self._budget = Budget(self.cfg.dataplane_peer_bytes, self.cfg.dataplane_total_bytes)
+            self._budget = Budget(self.cfg.dataplane.peer_bytes, self.cfg.dataplane.total_bytes)
         return self._budget
 
     def metrics(self) -> dict[str, float]:
         """Prometheus-style samples: name{label="..."} -> value."""
-        out: dict[str, float] = {f"peerd_dataplane_{k}_total": v for k, v in self.counters.items()}
+        counts = {**self.counters, **self.senders.counts()}
+        out: dict[str, float] = {f"peerd_dataplane_{k}_total": v for k, v in counts.items()}
         for reason, n in self.rejected.items():
             out[f'peerd_dataplane_rejected_total{{reason="{reason}"}}'] = n
         b = self.budget
@@ -440,8 +517,8 @@ class DataPlane:
 
     def _take_slot(self, peer: str) -> None:
         """Count a push or pull served to `peer`; refuse beyond dataplane_max_rpcs_per_peer."""
-        if self._server_active[peer] >= self.cfg.dataplane_max_rpcs_per_peer:
-            raise TransferError("too_many_rpcs", f"{self.cfg.dataplane_max_rpcs_per_peer} transfers "
+        if self._server_active[peer] >= self.cfg.dataplane.max_rpcs_per_peer:
+            raise TransferError("too_many_rpcs", f"{self.cfg.dataplane.max_rpcs_per_peer} transfers "
                                 "with this peer already in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
         self._server_active[peer] += 1
 
@@ -451,27 +528,13 @@ class DataPlane:
             del self._server_active[peer]
 
     async def _deliver(self, rec: Received) -> None:
-        sink = self.on_received
-        try:
-            if isinstance(sink, asyncio.Queue):
-                await asyncio.wait_for(sink.put(rec), self.cfg.dataplane_deliver_timeout)
-            else:
-                out = sink(rec)
-                if inspect.isawaitable(out):
-                    await asyncio.wait_for(out, self.cfg.dataplane_deliver_timeout)
-        except TimeoutError:
-            rec.release()
-            raise TransferError("not_taken", f"the daemon did not take the transfer within "
-                                f"{self.cfg.dataplane_deliver_timeout}s", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
-        except BaseException:
-            rec.release()
-            raise
+        await deliver(self.on_received, rec, self.cfg.dataplane.deliver_timeout)
 
     # -- receiving (push server and pull client share it) ---------------------------------------
     async def _receive(self, frames: Any, peer: str, expect_sender: str) -> Received:
         """Read header and chunks from the async iterator `frames` into a pooled buffer."""
         cfg = self.cfg
-        stall = cfg.dataplane_stall_timeout
+        stall = cfg.dataplane.stall_timeout
         loop = asyncio.get_running_loop()
         asm: _Assembly | None = None
         try:
@@ -480,16 +543,16 @@ class DataPlane:
                     raw = await anext(frames)
                 except StopAsyncIteration:
                     raise TransferError("no_header", "stream ended before a header") from None
-                kind, value = _decode(raw, cfg.dataplane_max_header_bytes)
+                kind, value = _decode(raw, cfg.dataplane.max_header_bytes)
                 if kind != tw.HEADER:
                     raise TransferError("no_header", "first frame is a chunk, not a header")
                 asm = await self._admit(value, peer, expect_sender)
                 guard.reschedule(loop.time() + stall)
                 async for raw in frames:
-                    kind, value = _decode(raw, cfg.dataplane_max_header_bytes)
+                    kind, value = _decode(raw, cfg.dataplane.max_header_bytes)
                     if kind == tw.HEADER:
                         raise TransferError("second_header", "a header after the first frame")
-                    asm.chunk(*value)
+                    await asm.chunk(*value)
                     guard.reschedule(loop.time() + stall)
                 return await asm.finish()
         except TimeoutError:
@@ -504,7 +567,7 @@ class DataPlane:
             raise
 
     async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str) -> "_Assembly":
-        cfg = self.cfg
+        dp = self.cfg.dataplane
         if h.sender != expect_sender:
             raise TransferError("sender_mismatch", f"header.sender {h.sender!r} is not the "
                                 f"authenticated node {expect_sender!r}", grpc.StatusCode.PERMISSION_DENIED)
@@ -515,61 +578,37 @@ class DataPlane:
             raise TransferError("bad_header", f"header.kind {h.kind[:40]!r} not one of {sorted(self.kinds)}")
         if self.screen is not None and (why := self.screen(peer, h.kind)):
             raise TransferError("screened", why, grpc.StatusCode.PERMISSION_DENIED)
-        if h.compression not in tw.ROUNDING_BOUND:
-            raise TransferError("bad_header", f"header.compression {h.compression} unknown")
-        if h.checksum_algo not in CHECKSUMS:
-            raise TransferError("bad_header", f"header.checksum_algo {h.checksum_algo!r} not one of "
-                                f"{sorted(CHECKSUMS)}")
-        if h.total_bytes > cfg.dataplane_max_transfer_bytes:
-            raise TransferError("too_large", f"header.total_bytes {h.total_bytes} exceeds the limit "
-                                f"{cfg.dataplane_max_transfer_bytes}", grpc.StatusCode.RESOURCE_EXHAUSTED)
-        try:
-            layout = tw.Layout.from_proto(h.tensors, cfg.dataplane_max_tensors, cfg.dataplane_max_transfer_bytes)
-        except tw.WireError as e:
-            raise TransferError("bad_layout", str(e)) from None
-        if layout.nbytes != h.total_bytes:
-            raise TransferError("bad_layout", f"header.total_bytes {h.total_bytes} does not match the "
-                                f"layout's {layout.nbytes} bytes")
-        wire = layout.wire(h.compression)
-        if wire.nbytes != h.wire_bytes:
-            raise TransferError("bad_layout", f"header.wire_bytes {h.wire_bytes} does not match the "
-                                f"{wire.nbytes} bytes the layout has on the wire")
-        want = self.layouts.get(h.kind, self.layouts.get(_base_kind(h.kind)))
+        layout, wire_bytes, plan = check_header(h, dp.max_tensors, dp.max_transfer_bytes)
+        want = self.layout_for(h.kind)
         if want is not None and not want.same_shapes(layout):
             raise TransferError("layout_mismatch", f"layout of {h.kind!r} differs from the run's "
                                 f"({_diff(want, layout)})", grpc.StatusCode.FAILED_PRECONDITION)
-        compressed = wire.nbytes != layout.nbytes
-        need = layout.nbytes + (wire.nbytes if compressed else 0)
-        await self.budget.reserve(peer, need, cfg.dataplane_admit_timeout)
+        if h.copy_epoch:
+            if want is None:
+                raise TransferError("bad_header", f"copy mode for {h.kind[:40]!r}, which is no run's parameters")
+            if why := self.copies.base_error(h):     # refused before its bytes come: a keyframe follows
+                raise TransferError("copy_base", why, grpc.StatusCode.FAILED_PRECONDITION)
+        coded = plan is not None or wire_bytes != layout.nbytes
+        sink = self.sink_for(h, peer) if self.sink_for is not None and not coded else None
+        if sink is not None:
+            return _Assembly(self, peer, h, layout, None, None, 0, sink)
+        need = layout.nbytes + (wire_bytes if coded else 0)
+        await self.budget.reserve(peer, need, dp.admit_timeout)
         try:
             dst = await self.pool.get(layout.nbytes)
-            wbuf = await self.pool.get(wire.nbytes) if compressed else dst
+            wbuf = await self.pool.get(wire_bytes) if coded else dst
         except BaseException:
             self.budget.release(peer, need)
             raise
-        return _Assembly(self, peer, h, layout, dst, wbuf, need)
+        return _Assembly(self, peer, h, layout, dst, wbuf, need, plan=plan)
 
     # -- server: pull ---------------------------------------------------------------------------
     async def _serve_pull(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         peer = _auth_node(context)
         snap = None
         try:
-            try:
-                req = pb.PullRequest.FromString(request)
-            except Exception as e:
-                raise TransferError("bad_request", f"PullRequest does not parse ({e})") from None
-            if not peer:
-                raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call",
-                                    grpc.StatusCode.UNAUTHENTICATED)
-            if req.requester != peer:
-                raise TransferError("sender_mismatch", f"requester {req.requester!r} is not the "
-                                    f"authenticated node {peer!r}", grpc.StatusCode.PERMISSION_DENIED)
-            if req.run_id != self.run_id:
-                raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
-                                    f"{self.run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
+            req = check_pull_request(request, peer, self.run_id, self.kinds)
             kind = req.kind or "model"
-            if _base_kind(kind) not in self.kinds or req.compression not in tw.ROUNDING_BOUND:
-                raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
             if self.source is not None:
                 snap = self.source(peer, kind, req.min_iteration)
                 if inspect.isawaitable(snap):
@@ -583,15 +622,15 @@ class DataPlane:
                 snap.done()          # refused after all: the source may reuse the snapshot
             self._refuse(e, peer, "pull")
             await context.abort(e.code, f"{e.reason}: {e.details}")
-        stall = self.cfg.dataplane_stall_timeout
+        stall = self.cfg.dataplane.stall_timeout
         try:
-            prep = await self._prepare(snap.data, req.compression, snap.checksum, measure=False)
+            prep = await _Prepared.plain(self, snap.data, req.compression, snap.checksum, measure=False)
             try:
-                header = self._header(prep, snap.iteration, kind)
+                header = prep.header(snap.iteration, kind)
                 loop = asyncio.get_running_loop()
                 async with asyncio.timeout(stall) as guard:
                     await context.write(header)
-                    for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane_chunk_bytes):
+                    for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane.chunk_bytes):
                         guard.reschedule(loop.time() + stall)
                         await context.write(frame)
             finally:
@@ -609,12 +648,12 @@ class DataPlane:
     def _sem(self, peer: str) -> asyncio.Semaphore:
         sem = self._client_sems.get(peer)
         if sem is None:
-            sem = self._client_sems[peer] = asyncio.Semaphore(self.cfg.dataplane_max_rpcs_per_peer)
+            sem = self._client_sems[peer] = asyncio.Semaphore(self.cfg.dataplane.max_rpcs_per_peer)
         return sem
 
     def deadline(self, nbytes: int) -> float:
         """Seconds a transfer of `nbytes` may take before it counts as failed."""
-        return self.cfg.dataplane_stall_timeout + nbytes / self.cfg.dataplane_min_rate
+        return self.cfg.dataplane.stall_timeout + nbytes / self.cfg.dataplane.min_rate
 
     async def push(self, channel: grpc.aio.Channel, peer: str, data: Outgoing | Sequence[torch.Tensor], *,
                    metadata: Sequence[tuple[str, str]] = (), iteration: int, kind: str = "model",
@@ -626,51 +665,70 @@ class DataPlane:
         pushed to several peers needs it once). `compression`: default from the config."""
         if not isinstance(data, Outgoing):
             data = Outgoing.of(data)
-        comp = _compression(self.cfg.dataplane_compression if compression is None else compression)
+        comp = _compression(self.cfg.dataplane.compression if compression is None else compression)
+        copy_mode = (comp in cp.BITS or data.ranges is not None) and self.layout_for(kind) is not None
         async with self._sem(peer):
-            t0 = time.perf_counter()
-            prep = await self._prepare(data, comp, checksum, measure=True)
-            try:
-                header = self._header(prep, iteration, kind)
-
-                async def frames() -> Any:
-                    yield header
-                    for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane_chunk_bytes):
-                        yield frame
-
-                call = channel.stream_unary(PUSH_METHOD)
+            for attempt in range(2 if copy_mode else 1):
+                t0 = time.perf_counter()
+                if copy_mode:   # an increment of our public copy (a keyframe on the retry)
+                    prep = await _Prepared.in_copy_mode(self, data, comp, iteration, peer, kind, attempt > 0)
+                else:
+                    prep = await _Prepared.plain(self, data, comp, checksum, measure=True)
                 try:
-                    raw = await rpc(call(frames(), metadata=tuple(metadata),
-                                         timeout=timeout or self.deadline(prep.wire_bytes)))
-                except grpc.aio.UsageError:       # the channel was closed before the call began
-                    self.counters["pushes_failed"] += 1
-                    raise _channel_closed(f"push to {peer}") from None
-                except grpc.aio.AioRpcError as e:
-                    self.counters["pushes_failed"] += 1
-                    reason = _reason(e)
-                    details = ("the receiver ended the stream before reading all of it (it refused the push; "
-                               "its log says why)" if reason == "cut_short" else e.details())
-                    raise TransferError(reason, f"push to {peer}: {details}", e.code()) from None
-            finally:
-                prep.release()
+                    raw = await self._send(channel, peer, prep, iteration, kind, metadata, timeout)
+                except TransferError as e:
+                    if copy_mode:
+                        self.senders.failed(kind, peer)
+                        if e.reason == "copy_base" and attempt == 0:
+                            self.counters["copy_refused"] += 1
+                            continue
+                    raise
+                finally:
+                    prep.release()
+                if prep.copy is not None:
+                    self.senders.delivered(kind, peer, prep.copy)
+                break
         reply = pb.TransferReply.FromString(raw)
         self.counters["pushes_sent"] += 1
         self.counters["bytes_sent"] += prep.wire_bytes
         return PushResult(prep.transfer_id, prep.layout.nbytes, prep.wire_bytes,
                           time.perf_counter() - t0, reply.seconds, prep.cast_error)
 
+    async def _send(self, channel: grpc.aio.Channel, peer: str, prep: "_Prepared", iteration: int,
+                    kind: str, metadata: Sequence[tuple[str, str]], timeout: float | None) -> bytes:
+        header = prep.header(iteration, kind)
+
+        async def frames() -> Any:
+            yield header
+            for frame in tw.encode_chunks(prep.pieces, self.cfg.dataplane.chunk_bytes):
+                yield frame
+
+        call = channel.stream_unary(PUSH_METHOD)
+        try:
+            return await rpc(call(frames(), metadata=tuple(metadata),
+                                  timeout=timeout or self.deadline(prep.wire_bytes)))
+        except grpc.aio.UsageError:       # the channel was closed before the call began
+            self.counters["pushes_failed"] += 1
+            raise _channel_closed(f"push to {peer}") from None
+        except grpc.aio.AioRpcError as e:
+            self.counters["pushes_failed"] += 1
+            reason = _reason(e)
+            details = ("the receiver ended the stream before reading all of it (it refused the push; "
+                       "its log says why)" if reason == "cut_short" else e.details())
+            raise TransferError(reason, f"push to {peer}: {details}", e.code()) from None
+
     async def pull(self, channel: grpc.aio.Channel, peer: str, *, metadata: Sequence[tuple[str, str]] = (),
                    min_iteration: int = 0, kind: str = "model", compression: int | str | None = None,
                    timeout: float | None = None) -> Received:
         """Fetch `peer`'s newest `kind` buffer at or after `min_iteration`. Caller releases it."""
-        comp = _compression(self.cfg.dataplane_compression if compression is None else compression)
+        comp = _compression(self.cfg.dataplane.compression if compression is None else compression)
         req = pb.PullRequest(requester=self.node_id, run_id=self.run_id, min_iteration=min_iteration,
                              compression=comp, kind=kind).SerializeToString()
         async with self._sem(peer):
             try:
                 call = channel.unary_stream(PULL_METHOD)(
                     req, metadata=tuple(metadata),
-                    timeout=timeout or self.deadline(self.cfg.dataplane_max_transfer_bytes))
+                    timeout=timeout or self.deadline(self.cfg.dataplane.max_transfer_bytes))
             except grpc.aio.UsageError:           # the channel was closed while we waited our turn
                 self.counters["pulls_failed"] += 1
                 raise _channel_closed(f"pull from {peer}") from None
@@ -705,33 +763,6 @@ class DataPlane:
         self.counters["pulls_received"] += 1
         return rec
 
-    async def _prepare(self, data: Outgoing, comp: int, checksum: int | None, measure: bool) -> "_Prepared":
-        wire = data.layout.wire(comp)
-        compressed = wire.nbytes != data.layout.nbytes
-        pieces, scratch, cast_error = data.pieces, None, None
-        total = sum(len(p) for p in pieces)
-        if total != data.layout.nbytes:
-            raise ValueError(f"data: {total} bytes for a layout of {data.layout.nbytes}")
-        if checksum is None and not compressed:
-            checksum = data.checksum
-        if compressed:
-            scratch = await self.pool.get(wire.nbytes)
-            cast_error = await asyncio.to_thread(tw.compress, data.layout, pieces, scratch, comp, measure)
-            pieces = [tw.flat_view(scratch)]
-            checksum = None  # a known checksum is of the uncompressed bytes
-        algo = self.cfg.dataplane_checksum
-        if algo == "crc32" and checksum is None:
-            checksum = await (self.checksum(pieces) if compressed else self.seal(data))
-        return _Prepared(self, data, data.layout, comp, pieces, wire.nbytes, algo,
-                         checksum or 0, next(self._ids), cast_error, scratch)
-
-    def _header(self, prep: "_Prepared", iteration: int, kind: str) -> bytes:
-        return tw.encode_header(pb.TensorHeader(
-            sender=self.node_id, run_id=self.run_id, iteration=iteration,
-            tensors=prep.layout.to_proto(), total_bytes=prep.layout.nbytes, wire_bytes=prep.wire_bytes,
-            checksum_algo=prep.checksum_algo, checksum=prep.checksum, compression=prep.compression,
-            transfer_id=prep.transfer_id, kind=kind))
-
 
 @dataclass
 class _Prepared:
@@ -746,30 +777,98 @@ class _Prepared:
     transfer_id: int
     cast_error: tw.CastError | None
     scratch: torch.Tensor | None
+    copy: cp.Message | None = None    # copy mode or quantized: the message (its buffer is released with us)
 
     def release(self) -> None:
         if self.scratch is not None:
             self.pieces = []
             self.dp.pool.put(self.scratch)
             self.scratch = None
+        if self.copy is not None:
+            self.pieces = []
+            self.copy.release()
+            self.copy.release = lambda: None
+
+    @classmethod
+    async def plain(cls, dp: DataPlane, data: Outgoing, comp: int, checksum: int | None,
+                    measure: bool) -> "_Prepared":
+        """`data` as it is, or cast (fp16/bf16), or quantized without a copy (int8/int4: a pull)."""
+        if comp in cp.BITS:      # quantized outside copy mode (a pull): the values themselves
+            src = tw._Pieces(data.pieces).tensor(0, data.layout.nbytes)
+            return await cls.of_message(dp, data, await dp.senders.plain(data.layout, src, comp))
+        wire = data.layout.wire(comp)
+        compressed = wire.nbytes != data.layout.nbytes
+        pieces, scratch, cast_error = data.pieces, None, None
+        total = sum(len(p) for p in pieces)
+        if total != data.layout.nbytes:
+            raise ValueError(f"data: {total} bytes for a layout of {data.layout.nbytes}")
+        if checksum is None and not compressed:
+            checksum = data.checksum
+        if compressed:
+            scratch = await dp.pool.get(wire.nbytes)
+            cast_error = await asyncio.to_thread(tw.compress, data.layout, pieces, scratch, comp, measure)
+            pieces = [tw.flat_view(scratch)]
+            checksum = None  # a known checksum is of the uncompressed bytes
+        algo = dp.checksum_algo
+        if algo != "none" and checksum is None:
+            checksum = await (dp.checksum(pieces) if compressed else dp.seal(data))
+        return cls(dp, data, data.layout, comp, pieces, wire.nbytes, algo, checksum or 0, next(dp._ids),
+                   cast_error, scratch)
+
+    @classmethod
+    async def in_copy_mode(cls, dp: DataPlane, data: Outgoing, comp: int, iteration: int, peer: str, kind: str,
+                           keyframe: bool) -> "_Prepared":
+        """An increment of our public copy for `peer` (or a keyframe): peerd.net.copies."""
+        src = tw._Pieces(data.pieces).tensor(0, data.layout.nbytes)
+        m = await dp.senders.message(kind, data.layout, src, comp, data.ranges or (), iteration, peer, keyframe)
+        return await cls.of_message(dp, data, m)
+
+    @classmethod
+    async def of_message(cls, dp: DataPlane, data: Outgoing, m: cp.Message) -> "_Prepared":
+        try:
+            pieces = [tw.flat_view(m.buf)[:m.plan.wire_bytes]]
+            algo = dp.checksum_algo
+            checksum = await dp.checksum(pieces) if algo != "none" else 0
+        except BaseException:
+            m.release()
+            raise
+        return cls(dp, data, data.layout, m.compression, pieces, m.plan.wire_bytes, algo, checksum,
+                   next(dp._ids), None, None, m)
+
+    def header(self, iteration: int, kind: str) -> bytes:
+        m, dp = self.copy, self.dp
+        return tw.encode_header(pb.TensorHeader(
+            sender=dp.node_id, run_id=dp.run_id, iteration=iteration,
+            tensors=self.layout.to_proto(), total_bytes=self.layout.nbytes, wire_bytes=self.wire_bytes,
+            checksum_algo=self.checksum_algo, checksum=self.checksum, compression=self.compression,
+            transfer_id=self.transfer_id, kind=kind, mass=self.data.mass if self.data.mass != 1.0 else 0.0,
+            copy_epoch=m.epoch if m else 0, copy_base=m.base if m else 0, copy_version=m.version if m else 0,
+            ranges=[x for pair in m.ranges for x in pair] if m else ()))
 
 
 class _Assembly:
     """One incoming transfer: checks order and bounds of each chunk, copies it into place."""
 
     def __init__(self, dp: DataPlane, peer: str, h: pb.TensorHeader, layout: tw.Layout,
-                 dst: torch.Tensor, wbuf: torch.Tensor, reserved: int):
+                 dst: torch.Tensor | None, wbuf: torch.Tensor | None, reserved: int, sink: Sink | None = None,
+                 plan: cp.Plan | None = None):
         self.dp, self.peer, self.h, self.layout = dp, peer, h, layout
+        self.plan = plan                          # set: quantized or copy mode (peerd.net.copies)
         self.dst, self.wbuf, self.reserved = dst, wbuf, reserved
-        self.view = tw.flat_view(wbuf)
+        self.sink = sink                          # set: chunks go there, there is no buffer
+        self.view = tw.flat_view(wbuf) if wbuf is not None else None
         self.wire_bytes = h.wire_bytes
+        self.update = _base_kind(h.kind) in UPDATE_KINDS
         self.received = 0
-        self.crcs: list[tuple[Any, int]] = []   # (crc or its future, length) per chunk, in order
-        self.check = h.checksum_algo == "crc32"
+        self.crcs: list[tuple[Any, int]] = []   # (crc or its future, length) per part, in order
+        self.algo = h.checksum_algo
+        self.check = self.algo in ("crc32", "crc32c")
+        self.part: list[memoryview] = []        # chunks not yet handed to a checksum worker
+        self.part_bytes = 0
         self.t0 = time.perf_counter()
         self.done = False
 
-    def chunk(self, offset: int, data: memoryview) -> None:
+    async def chunk(self, offset: int, data: memoryview) -> None:
         n = len(data)
         if n == 0:
             raise TransferError("bad_frame", f"empty chunk at offset {offset}")
@@ -778,13 +877,28 @@ class _Assembly:
         if offset + n > self.wire_bytes:
             raise TransferError("overflow", f"chunk ends at {offset + n}, beyond the announced "
                                 f"{self.wire_bytes} wire bytes")
-        self.view[offset:offset + n] = data
-        if self.check:
-            if n >= 1 << 16:  # hand bigger chunks to a worker; the loop goes on reading
-                self.crcs.append((self.dp.crc_pool.submit(tw.zlib.crc32, self.view[offset:offset + n]), n))
-            else:
-                self.crcs.append((tw.zlib.crc32(data), n))
+        if self.sink is not None:
+            await self.sink.chunk(offset, data)
+            held = data                          # the frame's bytes, kept alive by this view
+        else:
+            self.view[offset:offset + n] = data
+            held = self.view[offset:offset + n]
+        self.dp.activity(self.peer)
+        if self.update:
+            self.dp.update_activity(self.peer)
+        if self.check:   # in parts of CRC_PART to a worker (the loop goes on reading), combined at the end
+            self.part.append(held)
+            self.part_bytes += n
+            if self.part_bytes >= CRC_PART:
+                self._checksum_part()
         self.received += n
+
+    def _checksum_part(self) -> None:
+        if not self.part_bytes:
+            return
+        fn = tw.crc32c if self.algo == "crc32c" else tw.crc32
+        self.crcs.append((self.dp.crc_pool.submit(fn, self.part), self.part_bytes))
+        self.part, self.part_bytes = [], 0
 
     async def finish(self) -> Received:
         h = self.h
@@ -792,22 +906,42 @@ class _Assembly:
             raise TransferError("truncated", f"stream ended after {self.received} of {self.wire_bytes} "
                                 "bytes", grpc.StatusCode.DATA_LOSS)
         if self.check:
-            crc = 0
+            self._checksum_part()
+            crc, poly = 0, tw.CRC32C_POLY if self.algo == "crc32c" else tw.CRC32_POLY
             for c, n in self.crcs:
                 if not isinstance(c, int):
                     c = await asyncio.wrap_future(c)
-                crc = tw.crc32_combine(crc, c, n)
+                crc = tw.crc32_combine(crc, c, n, poly)
             if crc != h.checksum:
-                raise TransferError("checksum", f"crc32 {crc:#010x} does not match header.checksum "
+                raise TransferError("checksum", f"{self.algo} {crc:#010x} does not match header.checksum "
                                     f"{h.checksum:#010x}", grpc.StatusCode.DATA_LOSS)
         seconds = time.perf_counter() - self.t0
         dp = self.dp
-        if self.wbuf is not self.dst:
+        if self.sink is not None:
+            stats = await self.sink.finish()
+            self.done = True
+            dp.counters["bytes_received"] += self.wire_bytes
+            return Received(h.sender, h.run_id, h.iteration, h.kind, h.transfer_id, self.layout,
+                            torch.empty(0, dtype=torch.uint8), self.layout.nbytes, self.wire_bytes, seconds,
+                            h.compression, tw.ROUNDING_BOUND[h.compression], None, stats, sunk=True,
+                            mass=h.mass or 1.0)
+        if self.plan is not None:
+            try:
+                await cp.receive(dp.copies, h, self.plan, self.wbuf, self.dst)
+            except cp.CopyRefused as e:
+                raise TransferError("copy_base", str(e), grpc.StatusCode.FAILED_PRECONDITION) from None
+            except quant.QuantError as e:
+                raise TransferError("bad_values", str(e)) from None
+        elif self.wbuf is not self.dst:
             await asyncio.to_thread(tw.decompress, self.layout, self.wbuf, self.dst, h.compression)
+        if self.wbuf is not self.dst:
             dp.pool.put(self.wbuf)
             dp.budget.release(self.peer, self.wire_bytes)
             self.reserved -= self.wire_bytes
             self.wbuf = self.dst
+        self.stats = None
+        if dp.layout_for(h.kind) is not None:   # a run's parameters: the update checks' pass, off the loop
+            self.stats = await asyncio.wrap_future(dp.crc_pool.submit(tw.param_stats, self.layout, self.dst))
         self.done = True
         dp.counters["bytes_received"] += self.wire_bytes
         dst, peer, reserved = self.dst, self.peer, self.reserved
@@ -820,12 +954,15 @@ class _Assembly:
 
         return Received(h.sender, h.run_id, h.iteration, h.kind, h.transfer_id, self.layout, dst,
                         self.layout.nbytes, self.wire_bytes, seconds, h.compression,
-                        tw.ROUNDING_BOUND[h.compression], release)
+                        tw.ROUNDING_BOUND[h.compression], release, self.stats, mass=h.mass or 1.0)
 
     def abort(self) -> None:
         if self.done:
             return
         self.done = True
+        if self.sink is not None:
+            self.sink.abort("the transfer failed")
+            return
         self.dp.pool.put(self.dst)
         if self.wbuf is not self.dst:
             self.dp.pool.put(self.wbuf)
@@ -833,6 +970,103 @@ class _Assembly:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+async def deliver(to: "asyncio.Queue[Received] | Callable[[Received], Awaitable[None] | None]", rec: Received,
+                  timeout: float) -> None:
+    """Hand a verified transfer to its taker (a queue, or a callback that may be async), waiting at
+    most `timeout`; a transfer not taken is released and refused."""
+    try:
+        if isinstance(to, asyncio.Queue):
+            await asyncio.wait_for(to.put(rec), timeout)
+        else:
+            out = to(rec)
+            if inspect.isawaitable(out):
+                await asyncio.wait_for(out, timeout)
+    except TimeoutError:
+        rec.release()
+        raise TransferError("not_taken", f"the daemon did not take the transfer within {timeout}s",
+                            grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+    except BaseException:
+        rec.release()
+        raise
+
+
+class Throttle:
+    """At most one call of `fn(key)` per `every` seconds per key (a bounded memory of keys)."""
+
+    def __init__(self, every: float, limit: int = 4096) -> None:
+        self.every, self.limit = every, limit
+        self.fn: Callable[[str], None] | None = None
+        self._at: dict[str, float] = {}
+
+    def __call__(self, key: str) -> None:
+        if self.fn is None or not key:
+            return
+        now = time.monotonic()
+        if now - self._at.get(key, -self.every) >= self.every:
+            if len(self._at) >= self.limit:
+                self._at.clear()
+            self._at[key] = now
+            self.fn(key)
+
+
+def check_pull_request(raw: bytes, peer: str, run_id: str, kinds: set[str]) -> pb.PullRequest:
+    """A PullRequest parsed and checked against the caller and this node; TransferError if not."""
+    try:
+        req = pb.PullRequest.FromString(raw)
+    except Exception as e:
+        raise TransferError("bad_request", f"PullRequest does not parse ({e})") from None
+    if not peer:
+        raise TransferError("unauthenticated", f"no {AUTH_KEY} on the call", grpc.StatusCode.UNAUTHENTICATED)
+    if req.requester != peer:
+        raise TransferError("sender_mismatch", f"requester {req.requester!r} is not the "
+                            f"authenticated node {peer!r}", grpc.StatusCode.PERMISSION_DENIED)
+    if req.run_id != run_id:
+        raise TransferError("run_mismatch", f"run_id {req.run_id!r}, this node serves run "
+                            f"{run_id!r}", grpc.StatusCode.FAILED_PRECONDITION)
+    kind = req.kind or "model"
+    if _base_kind(kind) not in kinds or req.compression not in tw.ROUNDING_BOUND:
+        raise TransferError("bad_request", f"kind {kind!r} / compression {req.compression} unknown")
+    return req
+
+
+def check_header(h: pb.TensorHeader, max_tensors: int, max_bytes: int) -> tuple[tw.Layout, int, "cp.Plan | None"]:
+    """A push's header checked against itself and the limits: (its layout, its bytes on the wire,
+    the wire plan when quantized or in copy mode). Raises TransferError naming the first field that
+    does not hold."""
+    if h.compression not in tw.ROUNDING_BOUND:
+        raise TransferError("bad_header", f"header.compression {h.compression} unknown")
+    if h.checksum_algo not in CHECKSUMS:
+        raise TransferError("bad_header", f"header.checksum_algo {h.checksum_algo!r} not one of "
+                            f"{sorted(CHECKSUMS)}")
+    if h.total_bytes > max_bytes:
+        raise TransferError("too_large", f"header.total_bytes {h.total_bytes} exceeds the limit "
+                            f"{max_bytes}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    try:
+        layout = tw.Layout.from_proto(h.tensors, max_tensors, max_bytes)
+    except tw.WireError as e:
+        raise TransferError("bad_layout", str(e)) from None
+    if layout.nbytes != h.total_bytes:
+        raise TransferError("bad_layout", f"header.total_bytes {h.total_bytes} does not match the "
+                            f"layout's {layout.nbytes} bytes")
+    if not (math.isfinite(h.mass) and 0 <= h.mass <= MAX_MASS):
+        raise TransferError("bad_header", f"header.mass {h.mass} not within [0, {MAX_MASS:g}]")
+    if not h.copy_epoch and (h.copy_base or h.copy_version or h.ranges):
+        raise TransferError("bad_header", "copy_base, copy_version or ranges without copy_epoch")
+    plan = None
+    if h.copy_epoch or h.compression in cp.BITS:
+        try:
+            plan = cp.plan(layout, h.compression, cp.check_ranges(h.ranges, layout))
+        except tw.WireError as e:
+            raise TransferError("bad_header", str(e)) from None
+        wire_bytes = plan.wire_bytes
+    else:
+        wire_bytes = layout.wire(h.compression).nbytes
+    if wire_bytes != h.wire_bytes:
+        raise TransferError("bad_layout", f"header.wire_bytes {h.wire_bytes} does not match the "
+                            f"{wire_bytes} bytes the layout has on the wire")
+    return layout, wire_bytes, plan
+
 
 def _base_kind(kind: str) -> str:
     """"model:3f2a..." -> "model": a kind may carry a tag after a colon (the daemon tags each

@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from peerd import PROTOCOL_VERSION
 from peerd.config import Config
 
 log = logging.getLogger("peerd.discovery")
@@ -362,7 +363,7 @@ class MdnsDiscovery:
         self._logged: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._pending: set[str] = set()
-        self._sem = asyncio.Semaphore(self.cfg.mdns_max_resolving)
+        self._sem = asyncio.Semaphore(self.cfg.mdns.max_resolving)
         self._azc = None
         self._browser = None
         self._info = None
@@ -392,7 +393,7 @@ class MdnsDiscovery:
             SERVICE_TYPE, self._name, port=self.port, properties=self._props,
             server=f"peerd-{self.node_id}.local.", parsed_addresses=self.addresses)
         try:
-            async with asyncio.timeout(self.cfg.mdns_register_timeout):
+            async with asyncio.timeout(self.cfg.mdns.register_timeout):
                 announced = await self._azc.async_register_service(self._info)
                 self._registered = True
                 await announced
@@ -402,7 +403,7 @@ class MdnsDiscovery:
         except TimeoutError:
             await self.stop()
             raise DiscoveryError(f"mDNS registration did not finish within "
-                                 f"{self.cfg.mdns_register_timeout} s (mdns_register_timeout)") from None
+                                 f"{self.cfg.mdns.register_timeout} s (mdns_register_timeout)") from None
         log.info("mDNS: announced %s at %s port %d", self._name, ", ".join(self.addresses), self.port)
 
     async def update_capabilities(self, capabilities: Mapping[str, Any]) -> None:
@@ -414,7 +415,7 @@ class MdnsDiscovery:
         self._info = AsyncServiceInfo(
             SERVICE_TYPE, self._name, port=self.port, properties=self._props,
             server=f"peerd-{self.node_id}.local.", parsed_addresses=self.addresses)
-        async with asyncio.timeout(self.cfg.mdns_register_timeout):
+        async with asyncio.timeout(self.cfg.mdns.register_timeout):
             await (await self._azc.async_update_service(self._info))
 
     async def stop(self) -> None:
@@ -422,12 +423,12 @@ class MdnsDiscovery:
         if self._azc is None:
             return
         try:
-            async with asyncio.timeout(self.cfg.mdns_stop_timeout):
+            async with asyncio.timeout(self.cfg.mdns.stop_timeout):
                 if self._registered and self._info is not None:
                     self._registered = False
                     await (await self._azc.async_unregister_service(self._info))
         except TimeoutError:
-            log.warning("mDNS goodbye not sent within %s s (mdns_stop_timeout)", self.cfg.mdns_stop_timeout)
+            log.warning("mDNS goodbye not sent within %s s (mdns_stop_timeout)", self.cfg.mdns.stop_timeout)
         except Exception as e:  # never let shutdown fail on mDNS
             log.warning("mDNS goodbye failed: %s", e)
         await self._close()
@@ -436,11 +437,11 @@ class MdnsDiscovery:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=self.cfg.mdns_stop_timeout)
+            await asyncio.wait(self._tasks, timeout=self.cfg.mdns.stop_timeout)
         azc, self._azc = self._azc, None
         browser, self._browser = self._browser, None
         try:
-            async with asyncio.timeout(self.cfg.mdns_stop_timeout):
+            async with asyncio.timeout(self.cfg.mdns.stop_timeout):
                 if browser is not None:
                     await browser.async_cancel()
                 if azc is not None:
@@ -468,9 +469,9 @@ class MdnsDiscovery:
             return
         if name in self._pending:
             return
-        if len(self._pending) + len(self._accepted) + len(self.ignored) >= self.cfg.mdns_max_names \
+        if len(self._pending) + len(self._accepted) + len(self.ignored) >= self.cfg.mdns.max_names \
                 and name not in self._accepted and name not in self.ignored:
-            self._log_once(name, f"tracking {self.cfg.mdns_max_names} names already (mdns_max_names)")
+            self._log_once(name, f"tracking {self.cfg.mdns.max_names} names already (mdns_max_names)")
             return
         self._pending.add(name)
         task = asyncio.get_running_loop().create_task(self._resolve(name, instance))
@@ -486,7 +487,7 @@ class MdnsDiscovery:
                 if self._azc is None:
                     return
                 info = AsyncServiceInfo(SERVICE_TYPE, name)
-                timeout = self.cfg.mdns_resolve_timeout
+                timeout = self.cfg.mdns.resolve_timeout
                 try:
                     async with asyncio.timeout(timeout + 1.0):
                         ok = await info.async_request(self._azc.zeroconf, timeout * 1000,
@@ -500,7 +501,7 @@ class MdnsDiscovery:
                     cand = candidate_from_record(
                         instance, info.text or b"", info.port, info.parsed_scoped_addresses(),
                         own_id=self.node_id, run_id=self.run_id, protocol_version=self.protocol_version,
-                        max_txt_bytes=self.cfg.mdns_max_txt_bytes, allow_loopback=self._loopback)
+                        max_txt_bytes=self.cfg.mdns.max_txt_bytes, allow_loopback=self._loopback)
                 except Ignored as e:
                     self._ignore(name, str(e))
                     return
@@ -515,7 +516,7 @@ class MdnsDiscovery:
 
     def _ignore(self, name: str, reason: str) -> None:
         self._accepted.pop(name, None)
-        if name in self.ignored or len(self.ignored) < self.cfg.mdns_max_names:
+        if name in self.ignored or len(self.ignored) < self.cfg.mdns.max_names:
             self.ignored[name] = reason
         self._log_once(name, reason)
 
@@ -523,7 +524,7 @@ class MdnsDiscovery:
         key = (name[:300], reason)
         if key in self._logged:
             return
-        if len(self._logged) >= self.cfg.mdns_max_names:
+        if len(self._logged) >= self.cfg.mdns.max_names:
             self._logged.clear()            # bounded memory; at worst a reason is logged again
         self._logged.add(key)
         log.warning("mDNS: ignoring %r: %s", name[:300], reason)
@@ -552,7 +553,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
                                             "as JSON lines (a diagnostic; the daemon uses this module).")
     p.add_argument("--node-id", required=True)
     p.add_argument("--run-id", default="default")
-    p.add_argument("--protocol-version", type=int, default=1)
+    p.add_argument("--protocol-version", type=int, default=PROTOCOL_VERSION)
     p.add_argument("--port", type=int, default=7070)
     p.add_argument("--interface", default="")
     p.add_argument("--advertise-address", default="")

@@ -273,11 +273,11 @@ class LinkTable:
     # -- peers --
 
     def add_peer(self, peer: str) -> None:
-        """Measure this peer from now on (idempotent). Bounded by cfg.max_peers."""
+        """Measure this peer from now on (idempotent). Bounded by cfg.membership.max_peers."""
         if peer == self.self_id or peer in self.links:
             return
-        if len(self.links) >= self.cfg.max_peers:
-            raise ValueError(f"link table full: max_peers={self.cfg.max_peers}")
+        if len(self.links) >= self.cfg.membership.max_peers:
+            raise ValueError(f"link table full: max_peers={self.cfg.membership.max_peers}")
         self.links[peer] = LinkEstimate()
         for kind in (RTT, BW):
             self._sched[(peer, kind)] = _Schedule()
@@ -306,16 +306,16 @@ class LinkTable:
                 self.probe_failed(peer, RTT, now)
             return False
         sched = self._sched[(peer, RTT)]
-        floor = self.cfg.link_rtt_change_floor
-        self._fold(est.rtt, seconds, sched, probe, now, floor, self.cfg.link_rtt_interval)
+        floor = self.cfg.links.rtt_change_floor
+        self._fold(est.rtt, seconds, sched, probe, now, floor, self.cfg.links.rtt_interval)
         est.rtt_at = now
-        est.add_rtt_low(now, seconds, self.cfg.link_rtt_min_window)
+        est.add_rtt_low(now, seconds, self.cfg.links.rtt_min_window)
         return True
 
     def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float, probe: bool = False) -> bool:
         """A timed transfer to `peer` (first byte sent .. acknowledged). False if not used as a sample."""
         est = self.links.get(peer)
-        if est is None or (not probe and nbytes < self.cfg.link_min_transfer_bytes):
+        if est is None or (not probe and nbytes < self.cfg.links.min_transfer_bytes):
             return False
         rtt = est.base_rtt
         ok = nbytes > 0 and 0 < seconds < math.inf
@@ -325,14 +325,14 @@ class LinkTable:
             if probe:
                 self.probe_failed(peer, BW, now)
             return False
-        if not probe and busy < self.cfg.link_min_transfer_seconds:
+        if not probe and busy < self.cfg.links.min_transfer_seconds:
             return False                              # latency-dominated: says little about bandwidth
         sched = self._sched[(peer, BW)]
         warming = self._warming(est, sched)
         # Too short to trust: RTT-dominated (the floor above applied), or under half a probe's time
         # when a bigger probe was allowed (the first probe, small traffic: bursts and buffers rule).
         short = seconds - rtt < seconds / 2 or (
-            busy < self.cfg.link_probe_seconds / 2 and nbytes < self.cfg.link_probe_max_bytes)
+            busy < self.cfg.links.probe_seconds / 2 and nbytes < self.cfg.links.probe_max_bytes)
         if sched.short and (not short or rate > est.bw.mean):
             # The estimate so far rests on too-short samples: a trustworthy one replaces it, and so
             # does a bigger short one (an RTT-floored rate is a lower bound that grows with size).
@@ -342,7 +342,7 @@ class LinkTable:
             # Warm-up keeps the highest trusted probe: hosts started together warm up together, and
             # probes through a shared bottleneck (a site uplink) each get a fraction of it; cross
             # traffic only ever lowers a trusted sample.
-            rising = rate > est.bw.mean * (1 + self.cfg.link_warmup_gain)
+            rising = rate > est.bw.mean * (1 + self.cfg.links.warmup_gain)
             sched.flat = 0 if rising else sched.flat + 1
             if rate > est.bw.mean:
                 est.bw.restart(rate)
@@ -368,12 +368,12 @@ class LinkTable:
         """Before the k-th re-check of a low probe: a fraction of the period, growing, so re-checks
         sample conditions apart in time (a busy CPU or a neighbour's transfer lasts seconds)."""
         cfg = self.cfg
-        frac = cfg.link_capacity_recheck * cfg.link_settle_growth ** (k - 1)
-        return max(cfg.link_min_probe_gap, frac * self.bw_period(peer))
+        frac = cfg.links.capacity_recheck * cfg.links.settle_growth ** (k - 1)
+        return max(cfg.links.min_probe_gap, frac * self.bw_period(peer))
 
     def _settle_gap(self, settled: int) -> float:
         cfg = self.cfg
-        return cfg.link_min_probe_gap * cfg.link_settle_growth ** min(settled + 1, 64)
+        return cfg.links.min_probe_gap * cfg.links.settle_growth ** min(settled + 1, 64)
 
     def _capacity_sample(self, est: LinkEstimate, sched: _Schedule, s: Sample, probe: bool, after: bool,
                          steady: bool) -> None:
@@ -381,7 +381,7 @@ class LinkTable:
         re-checked; only when link_capacity_confirm re-checks in a row read low too (a real drop, not
         a probe that met cross traffic) does the capacity fall, to the best of them."""
         cfg = self.cfg
-        prev, gain = (est.capacity if est.peaks else 0.0), cfg.link_warmup_gain
+        prev, gain = (est.capacity if est.peaks else 0.0), cfg.links.warmup_gain
         higher = s.rate > prev * (1 + gain)
         # The plateau search (a new level -> the next probe twice as big) runs while warming up and
         # settling; in steady state a higher reading is noise or a faster link, and probes of the
@@ -393,26 +393,26 @@ class LinkTable:
         if after:
             sched.rising = higher and not steady
         if steady:
-            if est.peaks and s.rate < est.capacity * (1 - cfg.link_capacity_dip):
+            if est.peaks and s.rate < est.capacity * (1 - cfg.links.capacity_dip):
                 sched.dips.append(s)
-                if len(sched.dips) > cfg.link_capacity_confirm:
+                if len(sched.dips) > cfg.links.capacity_confirm:
                     est.peaks.clear()
                     for d in sched.dips:
-                        est.add_peak(d, cfg.link_capacity_window, cfg.link_capacity_samples)
+                        est.add_peak(d, cfg.links.capacity_window, cfg.links.capacity_samples)
                     sched.debt, sched.dips = len(sched.dips) - 1, []
                     sched.full_bytes = est.peaks[0].nbytes
                     return
             else:
                 sched.debt = len(sched.dips) if sched.dips else 0
                 sched.dips.clear()
-        est.add_peak(s, cfg.link_capacity_window, cfg.link_capacity_samples)
+        est.add_peak(s, cfg.links.capacity_window, cfg.links.capacity_samples)
 
     def _warming(self, est: LinkEstimate, sched: _Schedule) -> bool:
         """Warm-up: too few samples, or the estimate still rises with bigger probes (TCP ramp-up
         after idle makes a probe of a few RTTs read low, and a low estimate sizes small probes)."""
         cfg = self.cfg
-        return est.bw.n < cfg.link_warmup_samples or (
-            sched.flat < cfg.link_warmup_flat and sched.last_bytes < cfg.link_probe_max_bytes)
+        return est.bw.n < cfg.links.warmup_samples or (
+            sched.flat < cfg.links.warmup_flat and sched.last_bytes < cfg.links.probe_max_bytes)
 
     def _settle(self, sched: _Schedule, probe: bool) -> None:
         if probe:
@@ -426,7 +426,7 @@ class LinkTable:
         """Fold a sample into `ewma`. A data-plane sample off the estimate asks for an early probe,
         unless recent ones were false alarms (then not before alarm_quiet_until: link_min_probe_gap
         x link_settle_growth^n after the n-th in a row, at most `holdoff_max`, the kind's own period)."""
-        a = self.cfg.link_ewma_alpha
+        a = self.cfg.links.ewma_alpha
         if probe:
             # Only a probe started after the change was seen answers it; one already in flight ran
             # partly before the change (or beside the transfer that showed it).
@@ -438,7 +438,7 @@ class LinkTable:
             # when the probe is off it (or off the last clean probe) in the alarm's direction, but
             # only a move off the last clean probe counts as a real change; any other alarm was
             # false, and the next ones wait longer.
-            frac, sign = self.cfg.link_change_fraction, sched.change_sign
+            frac, sign = self.cfg.links.change_fraction, sched.change_sign
             off = ewma.n > 0 and _moved(ewma.mean, x, sign, frac, floor)
             ref = sched.probe_level
             real = off if ref is None else _moved(ref, x, sign, frac, floor)
@@ -450,7 +450,7 @@ class LinkTable:
                 sched.false_alarms = 0
             elif fresh:
                 sched.false_alarms += 1
-                holdoff = self.cfg.link_min_probe_gap * self.cfg.link_settle_growth ** min(sched.false_alarms, 64)
+                holdoff = self.cfg.links.min_probe_gap * self.cfg.links.settle_growth ** min(sched.false_alarms, 64)
                 sched.alarm_quiet_until = now + min(holdoff, holdoff_max)
             self._settle(sched, probe)
             if seen is not None and not fresh:
@@ -459,7 +459,7 @@ class LinkTable:
                 sched.probe_level = x                # ran wholly before or after any change seen
             return
         dev = x - ewma.mean
-        off = ewma.n > 0 and abs(dev) > max(self.cfg.link_change_fraction * ewma.mean, floor)
+        off = ewma.n > 0 and abs(dev) > max(self.cfg.links.change_fraction * ewma.mean, floor)
         ewma.add(x, a)
         if off and sched.change_at is None and now >= sched.alarm_quiet_until:
             sched.change_at, sched.change_sign = now, (dev > 0) - (dev < 0)
@@ -471,8 +471,8 @@ class LinkTable:
             return
         sched.started = None
         sched.failures += 1
-        backoff = self.cfg.link_min_probe_gap * 2 ** min(sched.failures, 30)
-        sched.retry_at = now + min(self.cfg.link_retry_max, backoff)
+        backoff = self.cfg.links.min_probe_gap * 2 ** min(sched.failures, 30)
+        sched.retry_at = now + min(self.cfg.links.retry_max, backoff)
 
     # -- scheduling --
 
@@ -481,8 +481,8 @@ class LinkTable:
         cfg = self.cfg
         est = self.links[peer]
         if est.bw.n == 0 or est.bw.mean <= 0:
-            return cfg.link_probe_min_bytes
-        duration = max(cfg.link_probe_seconds, cfg.link_probe_rtts * est.base_rtt)
+            return cfg.links.probe_min_bytes
+        duration = max(cfg.links.probe_seconds, cfg.links.probe_rtts * est.base_rtt)
         base = est.capacity * duration
         sched = self._sched[(peer, BW)]
         if not sched.short and sched.last_bytes and self._warming(est, sched):
@@ -492,8 +492,8 @@ class LinkTable:
             # restarts slow start after idle), and twice the last while that raised the capacity: the
             # plateau search goes on after warm-up, whose probes may all have met cross traffic.
             size = max(base, sched.full_bytes, 2 * sched.last_bytes if sched.rising else 0)
-            size = min(size, cfg.link_probe_growth_max * base)
-        return int(min(cfg.link_probe_max_bytes, max(cfg.link_probe_min_bytes, size)))
+            size = min(size, cfg.links.probe_growth_max * base)
+        return int(min(cfg.links.probe_max_bytes, max(cfg.links.probe_min_bytes, size)))
 
     def bw_period(self, peer: str) -> float:
         """T = max(link_bw_interval, (S / B) / (budget - pings)): the steady-state probe period.
@@ -504,10 +504,10 @@ class LinkTable:
         cfg = self.cfg
         est = self.links[peer]
         if est.bw.n == 0 or est.bw.mean <= 0:
-            return cfg.link_bw_interval
-        pings = min(cfg.link_probe_budget / 2, cfg.link_ping_bytes / (est.bw.mean * cfg.link_rtt_interval))
+            return cfg.links.bw_interval
+        pings = min(cfg.links.probe_budget / 2, cfg.links.ping_bytes / (est.bw.mean * cfg.links.rtt_interval))
         busy = self.probe_size(peer) / est.bw.mean
-        return max(cfg.link_bw_interval, busy / (cfg.link_probe_budget - pings))
+        return max(cfg.links.bw_interval, busy / (cfg.links.probe_budget - pings))
 
     def phase(self, peer: str) -> str:
         """Where the bandwidth probing of `peer` stands: "warm-up" (back-to-back growing probes),
@@ -520,22 +520,22 @@ class LinkTable:
         doubled the bytes a scenario's first contender sent per step."""
         est, sched = self.links[peer], self._sched[(peer, BW)]
         if est.bw_at is None or self._warming(est, sched) or (
-                sched.short and sched.last_bytes < self.cfg.link_probe_max_bytes):
+                sched.short and sched.last_bytes < self.cfg.links.probe_max_bytes):
             return "warm-up"
-        settled = self._settle_gap(sched.settled) * self.cfg.link_settle_growth >= self.bw_period(peer)
+        settled = self._settle_gap(sched.settled) * self.cfg.links.settle_growth >= self.bw_period(peer)
         return "steady" if settled else "settling"
 
     def _due_at(self, peer: str, kind: str) -> float:
         cfg = self.cfg
         est = self.links[peer]
         sched = self._sched[(peer, kind)]
-        soonest = max(sched.retry_at, sched.last_start + cfg.link_min_probe_gap)
+        soonest = max(sched.retry_at, sched.last_start + cfg.links.min_probe_gap)
         if kind == RTT:
-            due = -math.inf if est.rtt_at is None else est.rtt_at + cfg.link_rtt_interval
+            due = -math.inf if est.rtt_at is None else est.rtt_at + cfg.links.rtt_interval
         elif est.bw_at is None:
             due = -math.inf
-        elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.link_probe_max_bytes):
-            due = est.bw_at + cfg.link_min_probe_gap         # warm-up: grow until a sample is trusted
+        elif self._warming(est, sched) or (sched.short and sched.last_bytes < cfg.links.probe_max_bytes):
+            due = est.bw_at + cfg.links.min_probe_gap         # warm-up: grow until a sample is trusted
         elif sched.dips:                                     # re-check a low probe, later each time
             due = est.bw_at + self._recheck_gap(peer, len(sched.dips))
         else:                                                # settle: gaps grow to the steady period
@@ -563,7 +563,7 @@ class LinkTable:
                     self.probe_failed(peer, kind, now)      # never reported: count it as failed
                 if now < self._due_at(peer, kind):
                     continue
-                size = self.cfg.link_ping_bytes if kind == RTT else self.probe_size(peer)
+                size = self.cfg.links.ping_bytes if kind == RTT else self.probe_size(peer)
                 deadline = self._deadline(peer, kind, size)
                 sched.started, sched.last_start, sched.deadline = now, now, now + deadline
                 out.append(Probe(peer, kind, size, deadline))
@@ -574,7 +574,7 @@ class LinkTable:
         expected = est.rtt.mean if est.rtt.n else 0.0
         if kind == BW and est.bw.n and est.bw.mean > 0:
             expected += size / est.bw.mean
-        return max(self.cfg.link_probe_timeout_min, 4 * expected)
+        return max(self.cfg.links.probe_timeout_min, 4 * expected)
 
 
 # ---- the swarm's matrix -----------------------------------------------------------------------
@@ -658,7 +658,7 @@ class LinkMatrix:
         made news with: a slow drift becomes news once it adds up, jitter never does."""
         old = self.entries.get(key)
         cfg = self.cfg
-        if old is None or entry.moved_from(old.basis, cfg.link_gossip_change, cfg.link_rtt_change_floor):
+        if old is None or entry.moved_from(old.basis, cfg.links.gossip_change, cfg.links.rtt_change_floor):
             entry.changed_at, entry.basis = now, entry.figures
         else:
             entry.changed_at, entry.basis = old.changed_at, old.basis
@@ -668,8 +668,8 @@ class LinkMatrix:
         """Fold gossiped entries in; newer wins. Returns (entries taken, reasons for those refused)."""
         taken, refused = 0, []
         for i, d in enumerate(entries):
-            if i >= self.cfg.link_max_entries:
-                refused.append(f"more than link_max_entries={self.cfg.link_max_entries} entries")
+            if i >= self.cfg.links.max_entries:
+                refused.append(f"more than link_max_entries={self.cfg.links.max_entries} entries")
                 break
             try:
                 if not isinstance(d, Mapping):
@@ -689,7 +689,7 @@ class LinkMatrix:
             except BadEntry as e:
                 refused.append(str(e))
                 continue
-            if m == self.self_id or age > self.cfg.link_forget_after:
+            if m == self.self_id or age > self.cfg.links.forget_after:
                 continue                                   # ours come from our table; stale ones die
             old = self.entries.get((m, t))
             if old is None or entry.updated_at > old.updated_at:
@@ -700,7 +700,7 @@ class LinkMatrix:
 
     def expire(self, now: float) -> None:
         """Drop entries nobody refreshed for link_forget_after seconds."""
-        limit = now - self.cfg.link_forget_after
+        limit = now - self.cfg.links.forget_after
         for k in [k for k, e in self.entries.items() if e.updated_at < limit]:
             del self.entries[k]
 
@@ -710,7 +710,7 @@ class LinkMatrix:
             del self.entries[k]
 
     def _bound(self) -> None:
-        excess = len(self.entries) - self.cfg.link_max_entries
+        excess = len(self.entries) - self.cfg.links.max_entries
         if excess > 0:
             oldest = sorted((e.updated_at, k) for k, e in self.entries.items() if k[0] != self.self_id)
             for _, k in oldest[:excess]:

@@ -10,7 +10,15 @@ Rules (the daemon feeds events in and acts on what comes out):
   that comes back is re-admitted by its first successful contact.
 - A peer that says goodbye (`left`) is not contacted any more until it, or gossip about a newer
   incarnation of it, shows up again.
-- Incarnations grow on every restart of a node id; an older incarnation never overwrites a newer.
+- Incarnations grow on every restart of a node id (they are the start time in milliseconds, and
+  the daemon refuses any beyond its clock plus the skew bound, peerd.node.membership_service), and
+  an older incarnation does not overwrite a newer one while the newer one is heard from: once the
+  newer one has been silent for `dead_after`, direct contact with the older one is taken (its
+  clock went back, or the newer one was wrong), so nothing a single message says can make a live
+  peer's own heartbeats ignored for good.
+- Gossiped addresses are checked (peerd.net.wirecheck.split_address: host:port, an IP or a DNS
+  name, no scheme); loopback ones only from a daemon that itself listens on loopback; one message
+  adds at most `max_new` candidates.
 - Gossip sends news (`gossip_rows`/`gossiped`): a heartbeat (or its reply) to a peer carries the rows
   whose address, incarnation or state changed since the last one delivered to it, and the whole
   table every `full_interval`, or whenever the peer is new or restarted. Gossip only tells a peer
@@ -22,6 +30,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from peerd.net.wirecheck import is_loopback_host, is_unspecified_host, split_address
 
 
 class State(enum.Enum):
@@ -120,7 +130,7 @@ class Membership:
             del self.candidates[address]
         if cand is not None and cand.permanent:
             cand.node_id, cand.failures, cand.next_attempt = node_id, 0, now
-        if old is not None and incarnation < old.incarnation:
+        if old is not None and incarnation < old.incarnation and not self._superseded(old, now):
             return None  # a stale Hello from a previous life
         if old is None and len(self.members) >= self.timing.max_peers:
             return None
@@ -139,10 +149,11 @@ class Membership:
                    rtt_s: float | None = None) -> Transition | None:
         """Direct contact with an admitted peer. Returns the transition if it came back."""
         m = self.members.get(node_id)
-        if m is None or (incarnation is not None and incarnation < m.incarnation):
+        if m is None or (incarnation is not None and incarnation < m.incarnation
+                         and not self._superseded(m, now)):
             return None
         if incarnation is not None:
-            if incarnation > m.incarnation:
+            if incarnation != m.incarnation:
                 self._forget_gossip(node_id)
             m.incarnation = incarnation
         m.last_heard = now
@@ -154,6 +165,21 @@ class Membership:
             return None
         old, m.state, m.state_since = m.state, State.ALIVE, now
         return Transition(node_id, old, State.ALIVE)
+
+    def _superseded(self, m: Member, now: float) -> bool:
+        """The recorded (higher) incarnation of `m` has not been heard from for dead_after: a lower
+        one that reaches us directly is the node now."""
+        return now - m.last_heard >= self.timing.dead_after
+
+    def forget(self, node_id: str) -> Transition | None:
+        """Drop a member at once (it was revoked); its candidates go too."""
+        m = self.members.pop(node_id, None)
+        for address in [a for a, c in self.candidates.items() if c.node_id == node_id]:
+            del self.candidates[address]
+        self._forget_gossip(node_id)
+        self._retry_at.pop(node_id, None)
+        self._failures.pop(node_id, None)
+        return Transition(node_id, m.state, None) if m is not None else None
 
     def contact_failed(self, node_id: str, now: float) -> None:
         """An RPC to an admitted peer failed; back off retries of a dead peer."""
@@ -182,25 +208,38 @@ class Membership:
         old, m.state, m.state_since = m.state, State.LEFT, now
         return Transition(node_id, old, State.LEFT)
 
-    def merge_gossip(self, rows: Iterable[dict], now: float, source: str = "gossip") -> None:
-        """Rows of another node's table: learn of nodes to contact; never mark anyone alive."""
+    def merge_gossip(self, rows: Iterable[dict], now: float, source: str = "gossip", *,
+                     allow_loopback: bool = True, max_new: int = 1 << 30) -> int:
+        """Rows of another node's table: learn of nodes to contact; never mark anyone alive. Rows
+        with an address no daemon should dial are skipped; at most `max_new` new candidates.
+        Returns how many rows were skipped as bad."""
+        bad = new = 0
         for row in rows:
             node_id, address = row.get("node_id", ""), row.get("address", "")
             if not node_id or not address or node_id == self.self_id:
                 continue
             if row.get("state") not in (State.ALIVE, State.SUSPECT):
                 continue
+            hp = split_address(address)
+            if hp is None or is_unspecified_host(hp[0]) or (is_loopback_host(hp[0]) and not allow_loopback):
+                bad += 1
+                continue
             m = self.members.get(node_id)
             if m is None:
-                self.add_candidate(address, source, now, node_id=node_id)
+                if new < max_new and address not in self.candidates:
+                    new += 1
+                    self.add_candidate(address, source, now, node_id=node_id)
             elif m.state in (State.DEAD, State.LEFT) and row.get("incarnation", 0) >= m.incarnation:
                 # Someone hears from it: try it now rather than at the back-off time.
                 if m.state is State.LEFT and row.get("incarnation", 0) > m.incarnation:
-                    self.add_candidate(address, source, now, node_id=node_id)
+                    if new < max_new and address not in self.candidates:
+                        new += 1
+                        self.add_candidate(address, source, now, node_id=node_id)
                 elif m.state is State.DEAD:
                     self._retry_at[node_id] = min(self._retry_at.get(node_id, now), now)
                     if address != m.address:
                         m.address = address
+        return bad
 
     def tick(self, now: float) -> list[Transition]:
         out = []

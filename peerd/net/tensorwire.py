@@ -187,6 +187,21 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+class Movable:
+    """A stand-in for a memoryview whose bytes can move mid-stream: every slice is taken from
+    `view` as it is now. A sender streaming from a buffer its owner is about to overwrite gets
+    an identical copy swapped in (`view = ...`), and the chunks it has not sent yet come from it."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __getitem__(self, key: slice) -> memoryview:
+        return self.view[key]
+
+
 def flat_view(buf: torch.Tensor) -> memoryview:
     """Writable memoryview of a flat uint8 CPU tensor (receive buffers)."""
     if buf.numel() == 0:
@@ -199,9 +214,14 @@ def flat_view(buf: torch.Tensor) -> memoryview:
 _CAST_TO = {pb.COMPRESSION_FP16: "float16", pb.COMPRESSION_BF16: "bfloat16"}
 # A cast changes a finite value x (within the target's range) by at most
 # ROUNDING_BOUND * |x| + ROUNDING_FLOOR: relative for normal values, absolute near zero (subnormals).
-ROUNDING_BOUND = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -11, pb.COMPRESSION_BF16: 2.0 ** -8}
-ROUNDING_FLOOR = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -25, pb.COMPRESSION_BF16: 2.0 ** -134}
-COMPRESSION_NAMES = {"none": pb.COMPRESSION_NONE, "fp16": pb.COMPRESSION_FP16, "bf16": pb.COMPRESSION_BF16}
+# int8/int4 (peerd.net.quant, sent by peerd.net.copies): the bound is relative to the largest |x| of
+# x's block of 128 values, not to |x|.
+ROUNDING_BOUND = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -11, pb.COMPRESSION_BF16: 2.0 ** -8,
+                  pb.COMPRESSION_INT8: 0.5 / 127, pb.COMPRESSION_INT4: 0.5 / 7}
+ROUNDING_FLOOR = {pb.COMPRESSION_NONE: 0.0, pb.COMPRESSION_FP16: 2.0 ** -25, pb.COMPRESSION_BF16: 2.0 ** -134,
+                  pb.COMPRESSION_INT8: 0.0, pb.COMPRESSION_INT4: 0.0}
+COMPRESSION_NAMES = {"none": pb.COMPRESSION_NONE, "fp16": pb.COMPRESSION_FP16, "bf16": pb.COMPRESSION_BF16,
+                     "int8": pb.COMPRESSION_INT8, "int4": pb.COMPRESSION_INT4}
 
 
 @dataclass(frozen=True)
@@ -303,6 +323,48 @@ class _Pieces:
 
 # ---- checksum --------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ParamStats:
+    """What the update checks need of a buffer of parameters, from one pass over its floats."""
+    finite: bool          # no NaN or Inf in any floating tensor
+    max_abs: float        # the largest |value| (inf or nan when not finite)
+    norm: float           # the L2 norm over all floating tensors
+
+
+def param_stats(layout: Layout, buf: torch.Tensor) -> ParamStats:
+    """Stats of the floating tensors of `layout` in `buf`: two passes each (aminmax, which turns
+    NaN into NaN and Inf into an infinite bound, and a dot product in float32 or float64; both an
+    order of magnitude faster on CPU than vector_norm's inf-norm). Whole-buffer work: call it off
+    the event loop. A sum of squares beyond float32's range is an infinite norm, not a NaN."""
+    top, sq = 0.0, 0.0
+    for t in layout.views(buf):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        flat = t.reshape(-1)
+        lo, hi = (float(v) for v in torch.aminmax(flat))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return ParamStats(False, math.nan, math.inf)
+        top = max(top, -lo, hi)
+        wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        sq += float(torch.dot(wide, wide))
+    return ParamStats(True, top, math.sqrt(sq))
+
+
+try:                                     # CRC-32C with the CPU's instruction (SSE4.2, ARMv8): ~10 GB/s
+    import crc32c as _crc32c
+except ImportError:                      # pragma: no cover - a wheel exists for the usual platforms
+    _crc32c = None
+
+HAVE_CRC32C = _crc32c is not None
+
+
+def crc32c(pieces: Iterable[memoryview], value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of the concatenated pieces, continuing `value`."""
+    for p in pieces:
+        value = _crc32c.crc32c(p[0:len(p)], value)
+    return value
+
+
 def crc32(pieces: Iterable[memoryview], step: int = 1 << 22) -> int:
     """CRC-32 over the concatenation of `pieces` (zlib releases the GIL, so run it in a thread)."""
     c = 0
@@ -322,9 +384,12 @@ def _gf2_times(mat: list[int], vec: int) -> int:
     return out
 
 
-def _zero_operators() -> list[list[int]]:
-    """ops[k]: the GF(2) matrix that appends 2**k zero bytes to a CRC-32 state (zlib's method)."""
-    m = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]   # one zero bit
+CRC32_POLY, CRC32C_POLY = 0xEDB88320, 0x82F63B78     # reflected: zlib's CRC-32, Castagnoli's CRC-32C
+
+
+def _zero_operators(poly: int) -> list[list[int]]:
+    """ops[k]: the GF(2) matrix that appends 2**k zero bytes to a CRC state (zlib's method)."""
+    m = [poly] + [1 << (n - 1) for n in range(1, 32)]         # one zero bit
     for _ in range(3):                                          # -> one zero byte
         m = [_gf2_times(m, m[n]) for n in range(32)]
     ops = [m]
@@ -334,18 +399,19 @@ def _zero_operators() -> list[list[int]]:
     return ops
 
 
-_ZERO_OPS: list[list[int]] | None = None
+_ZERO_OPS: dict[int, list[list[int]]] = {}
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc32(A), crc32(B) and len(B): lets chunks be checksummed in parallel."""
-    global _ZERO_OPS
-    if _ZERO_OPS is None:
-        _ZERO_OPS = _zero_operators()
+def crc32_combine(crc1: int, crc2: int, len2: int, poly: int = CRC32_POLY) -> int:
+    """The CRC of A+B from crc(A), crc(B) and len(B) (CRC-32 by default, CRC-32C with its
+    polynomial): lets chunks be checksummed in parallel, or out of the loop's order."""
+    ops = _ZERO_OPS.get(poly)
+    if ops is None:
+        ops = _ZERO_OPS[poly] = _zero_operators(poly)
     k = 0
     while len2:
         if len2 & 1:
-            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+            crc1 = _gf2_times(ops[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
@@ -388,12 +454,35 @@ def encode_header(header: pb.TensorHeader) -> bytes:
     return b"\x0a" + varint(len(body)) + body
 
 
-def chunk_prefix(offset: int, n: int) -> bytes:
+def _varint_padded(n: int, length: int) -> bytes:
+    """`n` as a varint of exactly `length` bytes (continuation bytes of zero: an over-long but valid
+    encoding, which protobuf parsers read as n)."""
+    out = bytearray(varint(n))
+    if length < len(out) or length > 10:
+        raise ValueError(f"varint of {n} cannot take {length} bytes")
+    if length > len(out):
+        out[-1] |= 0x80
+        out += b"\x80" * (length - len(out) - 1) + b"\x00"
+    return bytes(out)
+
+
+def chunk_prefix(offset: int, n: int, align: int = 16) -> bytes:
     """Everything of TensorFrame{chunk{data, offset}} before the data bytes.
 
     Inner message: field 2 (offset, varint) then field 1 (data, length-delimited), so the data
-    ends the frame and the frame is `prefix + data` with no copy beyond the final join.
+    ends the frame and the frame is `prefix + data` with no copy beyond the final join. The offset
+    varint is stretched so that the prefix is a multiple of `align` bytes: the data then starts
+    aligned in the frame (and in the bytes object a receiver gets), so it is read as floats in place.
     """
+    lo, ln = len(varint(offset)), len(varint(n))
+    for a in range(lo, 11):                          # stretch the varints (offset up to 10 bytes; a
+        for b in range(ln, 6):                       # length, a 32-bit varint, up to 5) until the
+            inner = b"\x10" + _varint_padded(offset, a) + b"\x0a" + _varint_padded(n, b)   # prefix is aligned
+            size = len(inner) + n
+            lf = len(varint(size))
+            for c in range(lf, 6):
+                if (1 + c + len(inner)) % align == 0:
+                    return b"\x12" + _varint_padded(size, c) + inner
     inner = b"\x10" + varint(offset) + b"\x0a" + varint(n)
     return b"\x12" + varint(len(inner) + n) + inner
 

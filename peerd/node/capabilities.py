@@ -8,10 +8,10 @@ import subprocess
 from peerd import __version__
 
 
-def detect(step_time_s: float = 0.0, site: str = "") -> dict:
+def detect(step_time_s: float = 0.0, site: str = "", relay: bool = False) -> dict:
     caps = {"device_kind": "cpu", "gpu_name": "", "gpu_memory_bytes": 0,
             "step_time_s": step_time_s, "cpu_count": os.cpu_count() or 1, "peerd_version": __version__,
-            "site": site}
+            "site": site, "relay": relay}
     smi = shutil.which("nvidia-smi")
     if smi:
         try:

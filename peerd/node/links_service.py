@@ -33,35 +33,45 @@ import math
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import Awaitable, Callable, Iterable, Protocol
 
 import torch
 
+from peerd.config import Config
 from peerd.net import tensorwire as tw
-from peerd.net.dataplane import PUSH_METHOD, Outgoing, PushResult, rpc
+from peerd.net.dataplane import Outgoing, PushResult
 from peerd.net.linkprobe import probe_loop
 from peerd.net.links import RTT, LinkEstimate, LinkMatrix, LinkTable, Probe
-from peerd.net.membership import State
+from peerd.net.membership import Membership, State, Transition
 from peerd.v1 import control_pb2 as cpb
 from peerd.v1 import peer_pb2 as pb
 
-if TYPE_CHECKING:
-    from peerd.node.daemon import Daemon
+
+class ProbeCalls(Protocol):
+    """The calls a probe makes (peerd.node.peer_client.PeerClient)."""
+
+    async def ping(self, address: str, msg: pb.PingRequest, timeout: float) -> pb.PingReply: ...
+
+    async def push_tensor(self, address: str, node: str, data: Outgoing, *, iteration: int, kind: str,
+                          observe: bool = True, **options) -> PushResult: ...
 
 log = logging.getLogger("peerd.links")
 
-PING_METHOD = "/peerd.v1.Peer/Ping"
 PROBE_KIND = "probe"
 ENTRY_FIELDS = ("measurer", "target", "capacity_bytes_s", "capacity_age_s", "throughput_bytes_s",
                 "throughput_spread_bytes_s", "rtt_s", "rtt_spread_s", "samples", "age_s")
 PAYLOAD_SIZES = 8            # probe payloads (views of one buffer) kept with their checksums
+PAYLOAD_KEEP_BYTES = 8 << 20  # the largest payload kept between probes
 
 
 class LinkService:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.d = daemon
-        self.cfg = daemon.cfg
-        self.node_id = daemon.node_id
+    def __init__(self, cfg: Config, node_id: str, members: Membership,
+                 seal: Callable[[Outgoing], Awaitable[int]]) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.members = members
+        self.seal = seal               # checksum a payload once, before any timed push of it
+        self.client: ProbeCalls | None = None   # set by the daemon once its peer client exists
         self.table = LinkTable(self.node_id, self.cfg)
         self.matrix = LinkMatrix(self.node_id, self.cfg)
         self._parked: dict[str, tuple[LinkEstimate, float]] = {}
@@ -77,12 +87,15 @@ class LinkService:
     async def run(self) -> None:
         """Probe until close(); every probe is bounded by its deadline (see linkprobe)."""
         await probe_loop(self.table, self._run_probe, self._stop, clock=time.monotonic,
-                         tick_max=self.cfg.heartbeat_interval, on_update=lambda _p, _k: self._absorb())
+                         tick_max=self.cfg.membership.heartbeat_interval, on_update=lambda _p, _k: self._absorb())
 
     def close(self) -> None:
         self._stop.set()
 
     # --- peers -----------------------------------------------------------------------------
+    def on_transition(self, tr: Transition) -> None:
+        self.on_state(tr.node_id, tr.new)
+
     def on_state(self, peer: str, new: State | None) -> None:
         """The failure detector moved `peer` to `new` (None: forgotten)."""
         now = time.monotonic()
@@ -95,7 +108,7 @@ class LinkService:
                 log.warning("not measuring the link to %s: %s", peer, e)
                 return
             parked = self._parked.pop(peer, None)
-            if parked is not None and now - parked[1] < self.cfg.link_forget_after:
+            if parked is not None and now - parked[1] < self.cfg.links.forget_after:
                 self.table.links[peer] = parked[0]          # same link, same estimate: no new warm-up
         elif new in (State.DEAD, State.LEFT):
             est = self.table.estimate(peer)
@@ -127,20 +140,15 @@ class LinkService:
 
     # --- probes -------------------------------------------------------------------------------
     async def _run_probe(self, p: Probe) -> float:
-        d = self.d
-        m = d.membership.get(p.peer)
+        m = self.members.get(p.peer)
         if m is None or m.state not in (State.ALIVE, State.SUSPECT):
             raise LookupError(f"{p.peer} is not alive")
-        channel = d._channel(m.address)
         if p.kind == RTT:
             self._nonce += 1
             nonce = self._nonce
-            stub = channel.unary_unary(PING_METHOD, request_serializer=pb.PingRequest.SerializeToString,
-                                       response_deserializer=pb.PingReply.FromString)
-            metadata = d.auth.sign(PING_METHOD)
             t0 = time.monotonic()
-            reply = await rpc(stub(pb.PingRequest(nonce=nonce, payload=bytes(p.size_bytes)), metadata=metadata,
-                                   timeout=p.deadline_s))
+            reply = await self.client.ping(m.address, pb.PingRequest(nonce=nonce, payload=bytes(p.size_bytes)),
+                                           timeout=p.deadline_s)
             took = time.monotonic() - t0
             if reply.nonce != nonce:
                 raise ValueError(f"Ping answered with nonce {reply.nonce}, sent {nonce}")
@@ -148,28 +156,37 @@ class LinkService:
         data = await self._payload(p.size_bytes)
         # Hosts that start together would probe in lock-step, and probes through a shared bottleneck
         # (a site uplink) would each measure a fraction of it: start at a random moment instead.
-        await asyncio.sleep(random.uniform(0.0, min(self.cfg.link_probe_jitter, p.deadline_s / 4)))
-        metadata = d.auth.sign(PUSH_METHOD)
+        await asyncio.sleep(random.uniform(0.0, min(self.cfg.links.probe_jitter, p.deadline_s / 4)))
         t0 = time.monotonic()
-        await d.dataplane.push(channel, p.peer, data, metadata=metadata, iteration=0, kind=PROBE_KIND,
-                               compression="none", checksum=data.checksum, timeout=p.deadline_s)
+        await self.client.push_tensor(m.address, p.peer, data, iteration=0, kind=PROBE_KIND, observe=False,
+                                      compression="none", checksum=data.checksum, timeout=p.deadline_s)
         took = time.monotonic() - t0
         log.debug("bw probe to %s: %d bytes in %.4f s (%.1f Mbit/s gross)", p.peer, p.size_bytes, took,
                   p.size_bytes * 8 / took / 1e6)
         return took
 
     async def _payload(self, nbytes: int) -> Outgoing:
-        """`nbytes` of random data with its checksum, ready to push (views of one shared buffer)."""
+        """`nbytes` of random data with its checksum, ready to push (views of one shared buffer).
+        Payloads above PAYLOAD_KEEP_BYTES are made for one probe and dropped: big probes are rare
+        once the links are measured, and a 64 MiB buffer kept for them is memory a big model needs."""
         out = self._payloads.get(nbytes)
         if out is not None:
             self._payloads.move_to_end(nbytes)
             return out
+        if nbytes > PAYLOAD_KEEP_BYTES:
+            if self._random is None or self._random.numel() < PAYLOAD_KEEP_BYTES:
+                self._random = await asyncio.to_thread(_random_bytes, PAYLOAD_KEEP_BYTES)
+                self._payloads.clear()
+            out = Outgoing.from_buffer(await asyncio.to_thread(_tiled, self._random, nbytes),
+                                       tw.Layout.flat(nbytes, PROBE_KIND))
+            await self.seal(out)
+            return out
         if self._random is None or self._random.numel() < nbytes:
-            size = min(max(nbytes, 1 << (nbytes - 1).bit_length()), max(nbytes, self.cfg.link_probe_max_bytes))
+            size = min(max(nbytes, 1 << (nbytes - 1).bit_length()), PAYLOAD_KEEP_BYTES)
             self._random = await asyncio.to_thread(_random_bytes, size)
             self._payloads.clear()
         out = Outgoing.from_buffer(self._random[:nbytes], tw.Layout.flat(nbytes, PROBE_KIND))
-        await self.d.dataplane.seal(out)             # the checksum, outside the timed transfer
+        await self.seal(out)                         # the checksum, outside the timed transfer
         self._payloads[nbytes] = out
         while len(self._payloads) > PAYLOAD_SIZES:
             self._payloads.popitem(last=False)
@@ -183,8 +200,8 @@ class LinkService:
         now = time.monotonic()
         self._expire(now)
         key = (peer, way)
-        limit = cfg.link_gossip_max_entries
-        if now - self._full_at.get(key, -math.inf) >= cfg.link_gossip_full_interval:
+        limit = cfg.links.gossip_max_entries
+        if now - self._full_at.get(key, -math.inf) >= cfg.links.gossip_full_interval:
             self._full_at[key] = now
             entries = self.matrix.to_entries(now, limit=limit)
         else:
@@ -202,13 +219,13 @@ class LinkService:
         if not rows:
             return
         _, refused = self.matrix.merge(rows, now)
-        if refused and now - self._refusals_logged.get(peer, -math.inf) >= self.cfg.auth_log_every:
+        if refused and now - self._refusals_logged.get(peer, -math.inf) >= self.cfg.auth.log_every:
             self._refusals_logged[peer] = now
             log.warning("refused %d link entries gossiped by %s: %s", len(refused), peer, refused[0])
 
     def _expire(self, now: float) -> None:
         self.matrix.expire(now)
-        limit = now - self.cfg.link_forget_after
+        limit = now - self.cfg.links.forget_after
         for peer in [p for p, (_, at) in self._parked.items() if at < limit]:
             del self._parked[peer]
 
@@ -224,4 +241,18 @@ class LinkService:
 
 
 def _random_bytes(n: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
+    """n random bytes (a compressing tunnel must not flatter the link), made in place: no second
+    copy of a 64 MiB payload at its creation."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "big"))
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+
+
+def _tiled(block: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A big probe's payload: the kept random block repeated (a period of PAYLOAD_KEEP_BYTES is
+    beyond what a link's compression could exploit). Drawing 64 MiB of random numbers for each
+    big probe cost a loopback daemon a tenth of its CPU while a 100 MB model trained."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    for start in range(0, nbytes, block.numel()):
+        n = min(block.numel(), nbytes - start)
+        out[start:start + n] = block[:n]
+    return out

@@ -25,6 +25,25 @@ def run_cli(*args: str, timeout: float = 20, check: bool = True) -> subprocess.C
     return proc
 
 
+def control_status(data_dir: Path, timeout: float = 3.0) -> dict | None:
+    """`peerd status --json` of the daemon of `data_dir`, asked in-process over its control socket
+    (every field, defaults included); None when it does not answer. Starting the CLI costs seconds
+    on a loaded machine (it imports torch); this costs milliseconds."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from peerd.v1 import control_pb2, control_pb2_grpc
+    sock = Path(data_dir) / "peerd.sock"
+    if not sock.exists():
+        return None
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        try:
+            reply = control_pb2_grpc.ControlStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
 class LocalDaemon:
     """One `peerd up` process on this machine."""
 

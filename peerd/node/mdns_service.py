@@ -18,15 +18,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from peerd import PROTOCOL_VERSION
+from peerd.config import Config
 from peerd.net.discovery import Candidate, DiscoveryError, MdnsDiscovery, choose_interfaces
-from peerd.net.membership import State
+from peerd.net.membership import Membership, State
 from peerd.node.convert import is_unspecified, split_host_port
-
-if TYPE_CHECKING:
-    from peerd.node.daemon import Daemon
+from peerd.node.membership_service import Identity
 
 log = logging.getLogger("peerd.discovery")
 SOURCE = "mdns"
@@ -41,39 +39,38 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def plan(daemon: "Daemon") -> tuple[MdnsDiscovery | None, str]:
+def plan(cfg: Config, me: Identity, table: Membership) -> tuple[MdnsDiscovery | None, str]:
     """The discovery service to start, or None and why not."""
-    cfg = daemon.cfg
-    if not cfg.mdns:
+    if not cfg.mdns.enabled:
         return None, "mDNS discovery is off (--no-mdns); peers come from --peer seeds and gossip"
-    listen_host, _ = split_host_port(cfg.listen, allow_zero=True)
-    if not cfg.interface and not cfg.advertise_address and _is_loopback(listen_host):
-        return None, (f"mDNS discovery is off: the Peer service listens on loopback ({cfg.listen}), which no "
+    listen_host, _ = split_host_port(cfg.node.listen, allow_zero=True)
+    if not cfg.mdns.interface and not cfg.node.advertise_address and _is_loopback(listen_host):
+        return None, (f"mDNS discovery is off: the Peer service listens on loopback ({cfg.node.listen}), which no "
                       f"other host can dial; listen on 0.0.0.0 or an interface address to be found on the "
                       f"network (or pass --interface lo for daemons on this host); --peer seeds work either way")
     try:
-        hint = cfg.advertise_address or (None if is_unspecified(listen_host) else cfg.listen)
-        interfaces = choose_interfaces(cfg.interface or None, hint, cfg.mdns_skip_interfaces)
-        _, port = split_host_port(daemon.address)
-        disc = MdnsDiscovery(node_id=daemon.node_id, run_id=cfg.run_id, protocol_version=PROTOCOL_VERSION,
-                             port=port, addresses=[daemon.address], capabilities=daemon.caps,
-                             interfaces=interfaces, on_candidate=lambda c: on_candidate(daemon, c),
-                             on_gone=lambda n: on_gone(daemon, n), cfg=cfg)
+        hint = cfg.node.advertise_address or (None if is_unspecified(listen_host) else cfg.node.listen)
+        interfaces = choose_interfaces(cfg.mdns.interface or None, hint, cfg.mdns.skip_interfaces)
+        _, port = split_host_port(me.address)
+        disc = MdnsDiscovery(node_id=me.node_id, run_id=cfg.node.run_id, protocol_version=PROTOCOL_VERSION,
+                             port=port, addresses=[me.address], capabilities=me.caps,
+                             interfaces=interfaces, on_candidate=lambda c: on_candidate(table, c),
+                             on_gone=lambda n: on_gone(table, n), cfg=cfg)
     except (DiscoveryError, ValueError) as e:
         return None, f"mDNS discovery is off: {e}; --peer seeds and gossip still work"
     return disc, ""
 
 
-def on_candidate(daemon: "Daemon", c: Candidate) -> None:
-    m = daemon.membership.get(c.node_id)
+def on_candidate(table: Membership, c: Candidate) -> None:
+    m = table.get(c.node_id)
     if m is not None and m.state is not State.LEFT:
         return                       # known: its liveness and address are the failure detector's
     now = time.monotonic()
     for address in c.addresses:
-        daemon.membership.add_candidate(address, SOURCE, now, node_id=c.node_id)
+        table.add_candidate(address, SOURCE, now, node_id=c.node_id)
 
 
-def on_gone(daemon: "Daemon", node_id: str) -> None:
-    cands = daemon.membership.candidates
+def on_gone(table: Membership, node_id: str) -> None:
+    cands = table.candidates
     for address in [a for a, c in cands.items() if c.node_id == node_id and c.source == SOURCE]:
-        daemon.membership.drop_candidate(address)
+        table.drop_candidate(address)

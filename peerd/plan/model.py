@@ -55,7 +55,7 @@ Synchronous decentralized (D-PSGD on ring / torus / one-peer exp / AER / complet
 directed one-peer exponential graph, Hop standard, backup b, staleness s): a max-plus recursion on
 publish times P_i(k), evaluated along one seeded sample path of K iterations (ours; [P4] §4.2 writes
 the one-step form T = max(E[max_{j in group} C_j], T_comm) + O, which this reproduces when the
-recursion has no memory). The sends are the daemon's (peerd.node.training): one ordered queue per
+recursion has no memory). The sends are the daemon's (peerd.node.run.outbound): one ordered queue per
 neighbour j -> i carries j's updates and, for Hop, its token grants to i, in the order the policy
 emits them (update k, grant after the mix of k, update k+1, ...); each is an RPC whose reply j
 awaits before the queue's next item, so an update holds the queue for its bytes plus a round trip
@@ -290,14 +290,14 @@ class Options:
 
     @classmethod
     def from_config(cls, cfg: Config, overhead: float | None = None) -> "Options":
-        return cls(overhead=cfg.plan_overhead if overhead is None else overhead,
-                   iterations=cfg.plan_iterations, sim_iterations=cfg.plan_sim_iterations,
-                   backward_fraction=cfg.plan_backward_fraction, bucket_bytes=cfg.plan_bucket_bytes,
-                   first_bucket_bytes=cfg.plan_first_bucket_bytes,
-                   max_ig=cfg.hop_max_ig, backup=cfg.hop_backup,
-                   staleness=cfg.hop_staleness if cfg.hop_staleness >= 0 else 2, max_skip=cfg.hop_max_skip,
-                   aau_staleness=cfg.aau_staleness, netmax_consensus=cfg.netmax_consensus,
-                   coalesce=cfg.train_coalesce_updates)
+        return cls(overhead=cfg.plan.overhead if overhead is None else overhead,
+                   iterations=cfg.plan.iterations, sim_iterations=cfg.plan.sim_iterations,
+                   backward_fraction=cfg.plan.backward_fraction, bucket_bytes=cfg.plan.bucket_bytes,
+                   first_bucket_bytes=cfg.plan.first_bucket_bytes,
+                   max_ig=cfg.sync.hop_max_ig, backup=cfg.sync.hop_backup,
+                   staleness=cfg.sync.hop_staleness if cfg.sync.hop_staleness >= 0 else 2, max_skip=cfg.sync.hop_max_skip,
+                   aau_staleness=cfg.sync.aau_staleness, netmax_consensus=cfg.sync.netmax_consensus,
+                   coalesce=cfg.train.coalesce_updates)
 
 
 # ---- order statistics ------------------------------------------------------------------------
@@ -640,20 +640,23 @@ def make_topology(name: str, n: int) -> Topology | None:
 
 
 def _rows(n: int) -> list[tuple[str, str]]:
-    rows = []
-    for t in TOPOLOGIES:
-        topo = make_topology(t, n)
-        if topo is None:
+    """Every (algorithm, topology) `peerd plan` considers for n hosts: the registry's planned
+    algorithms on each topology they support, those with a graph of their own last."""
+    rows, fixed = [], []
+    for algo in registry.ALGORITHMS.values():
+        if not algo.planned:
             continue
-        rows.append(("d-psgd", t))
-        if topo.period == 1:
-            rows += [(a, t) for a in ("hop", "hop-backup", "hop-staleness", "hop-backup-skip",
-                                      "hop-staleness-skip", "aau", "netmax")]
-            if n % 2 == 0:
-                rows.append(("ad-psgd", t))
-    if make_topology("exp-directed", n) is not None and n > 1:
-        rows.append(("sgp", "exp-directed"))
-    return rows
+        if algo.topology:
+            topo = make_topology(algo.topology, n)
+            if topo is not None and n > 1 and algo.policy.unsupported(topo) is None:
+                fixed.append((algo.name, algo.topology))
+            continue
+        for t in TOPOLOGIES:
+            topo = make_topology(t, n)
+            if topo is not None and algo.policy.unsupported(topo) is None:
+                rows.append((algo.name, t))
+    rows.sort(key=lambda r: TOPOLOGIES.index(r[1]))     # by topology, each in the registry's order
+    return rows + fixed
 
 
 def connected(n: int, edges: Iterable[tuple[int, int]]) -> bool:
@@ -690,7 +693,8 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
         return ddp_iteration(bucket_times, comp, opts, overlap)
     if n == 1:
         return float(comp.mean[0] + opts.overheads(1)[0])
-    topo = topology.make("exp-directed" if algorithm == "sgp" else topo_name, n)
+    fixed = registry.ALGORITHMS[algorithm].topology if algorithm in registry.ALGORITHMS else ""
+    topo = topology.make(fixed or topo_name, n)
     if algorithm in ("d-psgd", "sgp"):
         return maxplus_iteration(net, comp, nbytes, topo, opts, overlap=overlap, used=used)
     if algorithm == "hop":
@@ -710,7 +714,7 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
         return netmax_iteration(net, comp, nbytes, topo, opts, overlap, kind)
     if algorithm == "ad-psgd":
         return adpsgd_iteration(net, comp, nbytes, topo, opts, overlap)
-    if algorithm in SIMULATED:
+    if method_of(algorithm) == "simulator":      # and any registered algorithm without a closed form
         if not overlap:
             raise ValueError(f"overlap: {algorithm} is simulated with overlap only")
         return simulated_iteration(net, comp, nbytes, topo, topo_name, algorithm, opts, used)
@@ -720,11 +724,13 @@ def predict_one(net: Network, comp: Compute, nbytes: float, algorithm: str, topo
 def method_of(algorithm: str) -> str:
     if algorithm == DDP:
         return "all-reduce"
-    if algorithm in SIMULATED:
-        return "simulator"
     if algorithm in ASYNC:
         return "closed-form"
-    return "max-plus" if algorithm in SYNC else "unknown"
+    if algorithm in SYNC:
+        return "max-plus"
+    # Hop with skipping and AAU, and any registered algorithm the model has no formula for: the
+    # simulator drives the real policies.
+    return "simulator" if algorithm in SIMULATED or algorithm in registry.ALGORITHMS else "unknown"
 
 
 def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None, *,
@@ -741,7 +747,7 @@ def plan(net: Network, comp: Compute, nbytes: float, opts: Options | None = None
     if n > 1:
         for a, t in _rows(n):
             cands.append((a, t, True))
-            if overlap_off and a not in SIMULATED:
+            if overlap_off and method_of(a) != "simulator":
                 cands.append((a, t, False))
     out = []
     for a, t, ov in cands:

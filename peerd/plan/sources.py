@@ -31,8 +31,8 @@ def network_from_profile(prof: Profile, cfg: Config | None = None) -> Network:
     names = [h.name for h in prof.hosts]
     n = len(names)
     idx = {h: i for i, h in enumerate(names)}
-    bw = np.full((n, n), float(cfg.plan_unshaped_rate))
-    lat = np.full((n, n), float(cfg.plan_base_latency))
+    bw = np.full((n, n), float(cfg.plan.unshaped_rate))
+    lat = np.full((n, n), float(cfg.plan.base_latency))
     payload = GOODPUT_RATIO / 8           # bit/s of frames -> bytes/s of TCP payload
     for (a, b), bps in prof.pair_rates.items():
         bw[idx[a], idx[b]] = bps * payload
@@ -87,7 +87,7 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
             seen |= {m, t}
     nodes = sorted(seen) if nodes is None else list(nodes)
     n = len(nodes)
-    bw = np.full((n, n), float(cfg.plan_unshaped_rate))
+    bw = np.full((n, n), float(cfg.plan.unshaped_rate))
     lat = np.full((n, n), 0.0)
     missing = []
 
@@ -109,11 +109,11 @@ def network_from_links(matrix: Mapping[str, Any], nodes: list[str] | None = None
             else:
                 missing.append(f"{a}->{b}")
             rtts = [x for x in (val((a, b), "rtt_s"), val((b, a), "rtt_s")) if x > 0]
-            lat[i, j] = min(rtts) / 2 if rtts else cfg.plan_base_latency
+            lat[i, j] = min(rtts) / 2 if rtts else cfg.plan.base_latency
     warnings = [f"no bandwidth measured for {len(missing)} pairs ({', '.join(missing[:4])}"
-                f"{', ...' if len(missing) > 4 else ''}); assumed {cfg.plan_unshaped_rate * 8 / 1e6:.0f} Mbit/s"] \
+                f"{', ...' if len(missing) > 4 else ''}); assumed {cfg.plan.unshaped_rate * 8 / 1e6:.0f} Mbit/s"] \
         if missing else []
-    return Network(bw, lat, (), infer_sites(bw, cfg.plan_site_ratio), tuple(nodes)), warnings
+    return Network(bw, lat, (), infer_sites(bw, cfg.plan.site_ratio), tuple(nodes)), warnings
 
 
 def link_rate(entry: Mapping[str, Any]) -> float:

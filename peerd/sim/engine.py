@@ -9,7 +9,7 @@ Model:
 - Links are directed FIFO pipes: a message of B bytes on link a->b starts when the link is free,
   occupies it B / bandwidth[a, b] seconds, and arrives latency[a, b] later. Control messages (pull
   requests without data) take the latency only.
-- Sender (`sender="daemon"`, the default: what peerd.node.training does): a worker's pushes (Send)
+- Sender (`sender="daemon"`, the default: what peerd.node.run.outbound does): a worker's pushes (Send)
   and token grants (Grant) to one destination go through one ordered queue, and each is an RPC whose
   reply is awaited before the next starts. An update starts when the queue's previous item was
   answered (and the link is free), arrives bytes / bandwidth + latency[a, b] later, and the next
@@ -42,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from peerd.sim.objective import Quadratic
+from peerd.sim.outer import Outer, OuterSpec, Wire
 from peerd.sync.events import (CURRENT, Average, Drop, Grant, LinkEstimates, Mix, MixRequested,
                                PeerDown, PeerUp, Published, Pull, PullRequested, Send, Skip, Tick, TokensArrived,
                                UpdateArrived, Wait)
@@ -81,6 +82,8 @@ class SimSpec:
     bandwidth_changes: dict[float, Any] = field(default_factory=dict)  # time -> new bandwidth
     sender: str = "daemon"             # daemon | pipe: see the module docstring
     coalesce: bool = False             # sender="daemon": the daemon's train_coalesce_updates
+    compress: str = "none"             # the wire codec: none | fp16 | bf16 | int8 | int4 (bytes only)
+    outer: OuterSpec | None = None     # DiLoCo (peerd.sim.outer): iterations then count syncs
 
 
 @dataclass
@@ -101,6 +104,9 @@ class SimResult:
     events: int
     stalled: bool = False              # live workers left unfinished with nothing pending (deadlock)
     wall_s: float = 0.0
+    label: str = ""                    # the row's name in tables (default: the algorithm)
+    keyframes: int = 0                 # pushes sent as whole raw copies (peerd.sim.outer.Wire)
+    outer: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         f = lambda x: None if x is None else float(x)  # noqa: E731 (numpy scalars -> JSON)
@@ -114,7 +120,9 @@ class SimResult:
                 "mean_idle_fraction": float(np.mean(self.idle_fraction)),
                 "bytes_sent": int(self.bytes_sent), "final_loss": f(self.loss),
                 "consensus_distance": f(self.consensus), "events": self.events, "stalled": bool(self.stalled),
-                "wall_s": round(self.wall_s, 3)}
+                "wall_s": round(self.wall_s, 3), "label": self.label or self.algorithm,
+                "bytes_per_worker_step": f(self.bytes_sent / max(1, self.n) / max(1.0, float(np.mean(self.computed)))),
+                "keyframes": self.keyframes, "outer": self.outer}
 
 
 class _Uniform:
@@ -142,7 +150,7 @@ def _matrix(v: Any, n: int, name: str) -> Any:
 
 
 # Heap entry kinds.
-_DELIVER, _COMPUTED, _EVAL, _CRASH, _LINKS, _JOIN = 0, 1, 2, 3, 4, 5
+_DELIVER, _COMPUTED, _EVAL, _CRASH, _LINKS, _JOIN, _STEP = 0, 1, 2, 3, 4, 5, 6
 
 
 class Simulator:
@@ -156,7 +164,8 @@ class Simulator:
         self.on_publish, self.on_mix = on_publish, on_mix
         self.bw = _matrix(spec.bandwidth, n, "bandwidth")
         self.lat = _matrix(spec.latency, n, "latency")
-        self.msg_bytes = spec.params * spec.bytes_per_param
+        self.wire = Wire(n, spec.params, spec.bytes_per_param, spec.compress)
+        self.msg_bytes = self.wire.full
         self.rng = np.random.default_rng(spec.seed + 7919)
         self.now = 0.0
         self.heap: list[tuple[float, int, int, int, Any]] = []
@@ -194,6 +203,12 @@ class Simulator:
                                  noise=spec.noise)
             self.X = np.tile(self.obj.x0, (n, 1))
             self.G = np.zeros_like(self.X)
+        self.outer = None
+        if spec.outer is not None:
+            if any(p.asynchronous for p in policies):
+                raise ValueError(f"outer: DiLoCo runs on the synchronous algorithms, not {self.name}")
+            self.outer = Outer(self, spec.outer)
+            self.wire = Wire(n, spec.params, spec.bytes_per_param, spec.compress, self.outer.bounds)
 
     # --- scheduling ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, i: int, payload: Any) -> None:
@@ -227,6 +242,21 @@ class Simulator:
         return t
 
     # --- worker steps -------------------------------------------------------------------------
+    def start_step(self, i: int) -> None:
+        """DiLoCo: worker i starts an inner step."""
+        self._push(self.now + self.compute_time(i), _STEP, i, None)
+
+    def request_mix(self, i: int, k: int) -> None:
+        """DiLoCo: worker i asks for the mix of k now (after the publish's own actions)."""
+        self._push(self.now, _COMPUTED, i, k)
+
+    def _next(self, i: int, k: int) -> None:
+        """After a mix: publish k at once, or (DiLoCo) go on with inner steps until it is due."""
+        if self.outer is not None:
+            self.outer.begin(i, k)
+        else:
+            self._publish(i, k)
+
     def _publish(self, i: int, k: int) -> None:
         if k >= self.spec.iterations:
             self.done[i] = True
@@ -235,7 +265,8 @@ class Simulator:
             if self.on_publish:
                 self.on_publish(self, i, k)
             self.last_progress = self.now
-            self.own[i] = (k, self.X[i].copy() if self.X is not None else None)
+            self.own[i] = (k, self.outer.snapshot(i, k) if self.outer else
+                              self.X[i].copy() if self.X is not None else None)
             # A finished worker keeps serving pulls with its final parameters and pushes them (a
             # neighbour it skipped past may need a newer tag), but starts no exchange.
             acts = self.pol[i].on_event(Published(k), self.now)
@@ -243,6 +274,13 @@ class Simulator:
             return
         self.k[i] = k
         self.last_progress = self.now
+        if self.outer is not None:          # DiLoCo: y with its mass; the steps go on (peerd.sim.outer)
+            self.own[i] = (k, self.outer.snapshot(i, k))
+            if self.on_publish:
+                self.on_publish(self, i, k)
+            self._act(i, self.pol[i].on_event(Published(k), self.now))
+            self.outer.published(i, k)
+            return
         if self.X is not None:
             snap = self.X[i].copy()
             snap.flags.writeable = False
@@ -296,20 +334,13 @@ class Simulator:
                         self.cancelled.add(held[2])
                         start, at = held[0], held[1]
                     else:
-                        at = self._transmit(i, a.dst, self.msg_bytes, queued=not self.serving)
+                        at = self._transmit(i, a.dst, self.wire.message(i, a.dst, a.k), queued=not self.serving)
                         start = self.last_start
                     self._push(at, _DELIVER, a.dst, (UpdateArrived(i, a.k), data))
                     if coalesce:
                         self.unsent[(i, a.dst)] = (start, at, self.seq)
             elif t is Mix:
-                if self.X is not None:
-                    self.X[i] = self._combine(i, a.entries) - self.spec.lr * self.G[i]
-                self.computed[i] += 1
-                if self.asked[i] is not None:
-                    self.idle[i] += self.now - self.asked[i]
-                    self.asked[i] = None
-                if self.on_mix:
-                    self.on_mix(self, i, a)
+                self._mixed(i, a)
                 nxt = a.k + 1
             elif t is Skip:
                 nxt = a.to
@@ -325,7 +356,7 @@ class Simulator:
                     if ok != a.carry_k:
                         raise SimError(f"worker {i}: Pull carries iteration {a.carry_k}, published is {ok}")
                 if self.alive[a.dst]:
-                    at = self._transmit(i, a.dst, self.msg_bytes if carried else 0)
+                    at = self._transmit(i, a.dst, self.wire.message(i, a.dst, a.carry_k) if carried else 0)
                     self._push(at, _DELIVER, a.dst, (PullRequested(i, a.carry_k, carried), data))
             elif t is Drop:
                 self.recv[i].pop((a.src, a.k), None)
@@ -338,14 +369,29 @@ class Simulator:
             else:
                 raise SimError(f"worker {i}: unknown action {a!r}")
         if nxt is not None and publish_ok and not self.done[i]:
-            self._publish(i, nxt)
+            self._next(i, nxt)
+
+    def _mixed(self, i: int, a: Mix) -> None:
+        waited = self.now - self.asked[i] if self.asked[i] is not None else 0.0
+        if self.outer is not None:
+            self.outer.mixed(i, a.entries, a.k, waited)
+        else:
+            if self.X is not None:
+                self.X[i] = self._combine(i, a.entries) - self.spec.lr * self.G[i]
+            self.computed[i] += 1
+        self.idle[i] += waited
+        self.asked[i] = None
+        if self.on_mix:
+            self.on_mix(self, i, a)
 
     def _join(self, i: int) -> None:
         live = [j for j in range(self.spec.n) if self.alive[j] and j != i]
         if not live:
             raise SimError(f"worker {i}: joins with no live worker to copy")
         src = live[0]
-        if self.X is not None:
+        if self.outer is not None:
+            self.outer.join(i, src)
+        elif self.X is not None:
             self.X[i] = self.X[src]
         self.alive[i] = True
         for j in range(self.spec.n):
@@ -358,14 +404,15 @@ class Simulator:
         k0 = max(self.k[src], 0)
         for j in live:
             self._act(j, self.pol[j].on_event(PeerUp(i, k0), self.now))
-        self._publish(i, k0)
+        self._next(i, k0)
 
     # --- evaluation ---------------------------------------------------------------------------
     def _eval(self, full: bool = False) -> None:
         """Loss of the average model; the consensus distance (a full pass over (N, P)) only every
         10th evaluation, at the target and at the end (None in between), to keep big runs fast."""
         alive = self.alive
-        X = self.X if all(alive) else self.X[[i for i in range(self.spec.n) if alive[i]]]
+        X = self.X if self.outer is None else self.outer.models()
+        X = X if all(alive) else X[[i for i in range(self.spec.n) if alive[i]]]
         xbar = X.mean(0)
         loss = self.obj.loss(xbar)
         hit = self.hit is None and loss <= self.spec.target
@@ -386,9 +433,12 @@ class Simulator:
         s = self.spec
         c = np.array([s.compute * s.factors.get(i, 1.0) * (1 + s.p_slow * (s.slow_factor - 1))
                       for i in range(s.n)])
+        msg = self.msg_bytes
+        if self.outer is not None:           # DiLoCo: an iteration is a sync
+            c, msg = self.outer.sync_terms(c, self.wire)
         bw = self.bw.full() if isinstance(self.bw, _Uniform) else self.bw
         lat = self.lat.full() if isinstance(self.lat, _Uniform) else self.lat
-        xfer = self.msg_bytes / bw.T + lat.T   # [i, j]: j -> i
+        xfer = msg / bw.T + lat.T   # [i, j]: j -> i
         if kind == "arrival":
             return c[None, :] + xfer
         return np.maximum(c[:, None], xfer + lat)
@@ -426,7 +476,7 @@ class Simulator:
             self._push(every, _EVAL, -1, None)
         for i in range(s.n):
             if self.alive[i]:
-                self._publish(i, 0)
+                self._next(i, 0)
         while self.heap:
             t, seq, kind, i, payload = heapq.heappop(self.heap)
             if t > s.max_time:
@@ -436,66 +486,84 @@ class Simulator:
                 continue
             self.now = t
             self.events += 1
-            if kind == _DELIVER:
-                if not self.alive[i]:
-                    continue
-                ev, data = payload
-                if type(ev) is UpdateArrived or (type(ev) is PullRequested and ev.carried):
-                    self.recv[i][(ev.src, ev.k)] = data
-                self.serving = type(ev) is PullRequested
-                try:
-                    self._act(i, self.pol[i].on_event(ev, t))
-                finally:
-                    self.serving = False
-            elif kind == _COMPUTED:
-                if not self.alive[i] or self.k[i] != payload:
-                    continue
-                self.asked[i] = t
-                self._act(i, self.pol[i].on_event(MixRequested(payload), t))
-            elif kind == _EVAL:
-                self._eval()
-                if self.hit is not None and s.stop_at_target:
-                    break
-                # Nothing else pending means finished or stalled: stop evaluating, end the run.
-                # After 10 intervals without progress, jump to the next pending event.
-                if self.heap and not all(self.done[j] or not self.alive[j] for j in range(s.n)):
-                    nxt = t + every
-                    if t - self.last_progress > 10 * every:
-                        nxt = max(nxt, self.heap[0][0])
-                    self._push(nxt, _EVAL, -1, None)
-            elif kind == _LINKS:
-                self.bw = payload
-                # Takes effect one iteration past the most advanced worker: nobody has mixed it yet,
-                # so every worker switches at the same iteration (what AAU's agreement needs).
-                self._announce(max(self.k) + 1)
-            elif kind == _JOIN:
-                self._join(i)
-            elif kind == _CRASH:
-                self.alive[i] = False
-                self.finish[i] = t
-                self.recv[i].clear()
-                for j in range(s.n):
-                    if j != i and self.alive[j]:
-                        self._push(t + s.detect, _DELIVER, j, (PeerDown(i), None))
+            if self._handle(kind, t, i, payload, every):
+                break
             if all(self.done[j] or not self.alive[j] for j in range(s.n)):
                 break
-        end = self.now
-        unfinished = not all(self.done[j] or not self.alive[j] for j in range(s.n))
-        stalled = unfinished and (not self.heap or end - self.last_progress > 10 * every)
-        if self.X is not None and (self.history[-1][0] != end or self.history[-1][2] is None):
-            self._eval(full=True)
-        idle = []
-        for i in range(s.n):
-            span = (self.finish[i] if (self.done[i] or not self.alive[i]) else end) or 1e-12
-            extra = (end - self.asked[i]) if (self.asked[i] is not None and self.alive[i]) else 0.0
-            idle.append(min(1.0, (self.idle[i] + extra) / span))
-        last = self.history[-1] if self.history else (end, None, None)
-        return SimResult(
-            algorithm=self.name, n=s.n,
-            time_to_target=self.hit[0] if self.hit else None,
-            iterations_at_target=self.hit[1] if self.hit else None,
-            bytes_at_target=self.hit[2] if self.hit else None,
-            sim_time=end, iterations=list(self.k), computed=list(self.computed),
-            idle_fraction=idle, bytes_sent=self.bytes, loss=last[1], consensus=last[2],
-            history=self.history, events=self.events, stalled=stalled,
-            wall_s=_time.perf_counter() - wall)
+        return _result(self, every, _time.perf_counter() - wall)
+
+    def _handle(self, kind: int, t: float, i: int, payload: Any, every: float) -> bool:
+        """One event; True ends the run (the target reached)."""
+        s = self.spec
+        if kind == _DELIVER:
+            if not self.alive[i]:
+                return False
+            ev, data = payload
+            if type(ev) is UpdateArrived or (type(ev) is PullRequested and ev.carried):
+                self.recv[i][(ev.src, ev.k)] = data
+            self.serving = type(ev) is PullRequested
+            try:
+                self._act(i, self.pol[i].on_event(ev, t))
+            finally:
+                self.serving = False
+        elif kind == _STEP:
+            if self.alive[i] and not self.done[i]:
+                self.outer.stepped(i)
+        elif kind == _COMPUTED:
+            if not self.alive[i] or self.k[i] != payload:
+                return False
+            self.asked[i] = t
+            self._act(i, self.pol[i].on_event(MixRequested(payload), t))
+        elif kind == _EVAL:
+            self._eval()
+            if self.hit is not None and s.stop_at_target:
+                return True
+            # Nothing else pending means finished or stalled: stop evaluating, end the run.
+            # After 10 intervals without progress, jump to the next pending event.
+            if self.heap and not all(self.done[j] or not self.alive[j] for j in range(s.n)):
+                nxt = t + every
+                if t - self.last_progress > 10 * every:
+                    nxt = max(nxt, self.heap[0][0])
+                self._push(nxt, _EVAL, -1, None)
+        elif kind == _LINKS:
+            self.bw = payload
+            # Takes effect one iteration past the most advanced worker: nobody has mixed it yet,
+            # so every worker switches at the same iteration (what AAU's agreement needs).
+            self._announce(max(self.k) + 1)
+        elif kind == _JOIN:
+            self._join(i)
+        elif kind == _CRASH:
+            self.alive[i] = False
+            self.finish[i] = t
+            self.recv[i].clear()
+            for j in range(s.n):
+                if j != i and self.alive[j]:
+                    self._push(t + s.detect, _DELIVER, j, (PeerDown(i), None))
+        return False
+
+
+def _result(self: Simulator, every: float, wall_s: float) -> SimResult:
+    """The run's SimResult, once its event loop ended."""
+    s = self.spec
+    end = self.now
+    unfinished = not all(self.done[j] or not self.alive[j] for j in range(s.n))
+    stalled = unfinished and (not self.heap or end - self.last_progress > 10 * every)
+    if self.X is not None and (self.history[-1][0] != end or self.history[-1][2] is None):
+        self._eval(full=True)
+    idle = []
+    for i in range(s.n):
+        span = (self.finish[i] if (self.done[i] or not self.alive[i]) else end) or 1e-12
+        extra = (end - self.asked[i]) if (self.asked[i] is not None and self.alive[i]) else 0.0
+        idle.append(min(1.0, (self.idle[i] + extra) / span))
+    last = self.history[-1] if self.history else (end, None, None)
+    o = s.outer
+    return SimResult(
+        algorithm=self.name, n=s.n,
+        time_to_target=self.hit[0] if self.hit else None,
+        iterations_at_target=self.hit[1] if self.hit else None,
+        bytes_at_target=self.hit[2] if self.hit else None,
+        sim_time=end, iterations=list(self.k), computed=list(self.computed),
+        idle_fraction=idle, bytes_sent=self.bytes, loss=last[1], consensus=last[2],
+        history=self.history, events=self.events, stalled=stalled, wall_s=wall_s,
+        keyframes=self.wire.keyframes,
+        outer=None if o is None else dict(vars(o), compress=s.compress, fragments=self.outer.F))

@@ -21,8 +21,10 @@ Reading choice: the paper's Pathsearch rules are not retrievable, so we implemen
 - Crash: PeerDown removes the peer; the graph is repaired around it (`topology.repair`: a ring
   re-links around the hole) and the tree is recomputed over the live workers (the others get the
   same PeerDown). A new neighbour gets my newest update at once; a tree neighbour that is past k
-  without having sent k to me (it was not my neighbour then) is represented by its next update. No deadlock: sends never wait, and each worker waits only on tree neighbours that
-  are alive, which all publish every iteration.
+  without having sent k to me (it was not my neighbour then) is represented by its next update,
+  also one that reached me before my own repair (its newest is kept). No deadlock: sends never
+  wait, and each worker waits only on tree neighbours that are alive, which all publish every
+  iteration.
 - Held updates: per neighbour, the iterations beyond the last mix plus the newest one at or below it;
   bounded by the tree's diameter + 2 (tree neighbours are within one iteration of each other).
 """
@@ -34,7 +36,7 @@ import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp, Published,
                                Send, Tick, UpdateArrived, Wait)
-from peerd.sync.policy import Policy
+from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology, renormalise
 
@@ -70,6 +72,8 @@ def spanning_tree(adj: np.ndarray, cost: np.ndarray | None, live: list[int]) -> 
 
 class AAU(Policy):
     name = "aau"
+    estimates = "arrival"
+    static_graph = True
 
     def __init__(self, me: int, topo: Topology, *, staleness: int = 2) -> None:
         super().__init__(me, topo.n)
@@ -119,10 +123,26 @@ class AAU(Policy):
         return self._try(now)
 
     def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
-        if ev.src in self.dead or ev.src not in self.nb or ev.k <= self.mixed and self._newest(ev.src, self.mixed) > ev.k:
+        if ev.src in self.dead or ev.k <= self.mixed and self._newest(ev.src, self.mixed) > ev.k:
             return [Drop(ev.src, ev.k)]
+        if ev.src not in self.nb:
+            return self._hold_early_edge(ev.src, ev.k)
         self.held.setdefault(ev.src, set()).add(ev.k)
         return self._try(now)
+
+    def _hold_early_edge(self, j: int, k: int) -> list[Action]:
+        """An update from a live worker that is not my neighbour yet: it repaired the graph around a
+        dead worker before I did and sent me its newest update when the edge appeared on its side
+        (as in Hop). Dropped, it was never sent again, and when j was ahead and waited on me as a
+        tree neighbour, each waited for the other's next update until the silent-peer timeout. Its
+        newest one is kept (no mix uses it while j is not my neighbour; my repair keeps it)."""
+        h = self.held.setdefault(j, set())
+        if k <= self.mixed or k <= max(h, default=-1):
+            return [Drop(j, k)]
+        out: list[Action] = [Drop(j, x) for x in sorted(h)]
+        h.clear()
+        h.add(k)
+        return out
 
     def on_estimates(self, ev: LinkEstimates, now: float) -> list[Action]:
         t = np.asarray(ev.times, dtype=float)
@@ -205,3 +225,10 @@ class AAU(Policy):
         s.update({"waits_for": self.waited(k), "queue": {j: len(h) for j, h in self.held.items() if h},
                   "estimate_versions": len(self.versions) - 1, "late": self.late})
         return s
+
+
+ALGORITHMS = (
+    Algorithm("aau", "DSGD-AAU: wait for a spanning tree of fastest links, use the rest when fresh", AAU,
+              accepts=("staleness",), from_config=lambda cfg, name: {"staleness": cfg.sync.aau_staleness},
+              preference=6),
+)

@@ -27,12 +27,13 @@ from typing import Any
 from peerd.sync.events import (CURRENT, Action, Average, Drop, Mix, MixRequested, PeerDown, Published,
                                Pull, PullFailed, PullRequested, Send, UpdateArrived, Wait)
 from peerd.sync.hop import Hop
-from peerd.sync.policy import Policy, PullBackoff
+from peerd.sync.policy import Algorithm, Policy, PullBackoff
 from peerd.sync.topology import OnePeerExp, Topology, repair
 
 
 class DPSGD(Hop):
     name = "d-psgd"
+    static_graph = False     # no token queues (max_ig None): any graph, time-varying ones included
 
     def __init__(self, me: int, topo: Topology) -> None:
         super().__init__(me, topo, max_ig=None)
@@ -47,10 +48,20 @@ class SGP(DPSGD):
                 raise ValueError("n: SGP needs a topology or n")
             topo = OnePeerExp(n, directed=True)
         super().__init__(me, topo)
+        self.eager_mix = False   # mixed when the trainer asks, not ahead (only D-PSGD and Hop's standard mode are)
 
 
 class ADPSGD(Policy):
     name = "ad-psgd"
+    asynchronous = True
+    pulls = True
+    static_graph = True
+
+    @classmethod
+    def unsupported(cls, topo: Topology) -> str | None:
+        if topo.n % 2:
+            return "active and passive workers alternate: needs an even number of hosts"
+        return super().unsupported(topo)
 
     def __init__(self, me: int, topo: Topology, *, seed: int = 0, active: bool | None = None,
                  pull_backoff: float = 10.0, pull_backoff_first: float = 1.0) -> None:
@@ -139,3 +150,17 @@ class ADPSGD(Policy):
         s = super().state()
         s.update({"role": "active" if self.active else "passive", "pulling": self.pulling})
         return s
+
+
+def _pull_config(cfg: Any, name: str) -> dict[str, Any]:
+    return {"pull_backoff": cfg.train.pull_backoff, "pull_backoff_first": cfg.train.pull_backoff_first}
+
+
+ALGORITHMS = (
+    Algorithm("d-psgd", "synchronous neighbour averaging (all in-neighbours every iteration)", DPSGD,
+              preference=0),
+    Algorithm("ad-psgd", "asynchronous pairwise averaging, bipartite active/passive, uniform peers", ADPSGD,
+              accepts=("seed", "pull_backoff", "pull_backoff_first"), from_config=_pull_config, preference=11),
+    Algorithm("sgp", "stochastic gradient push, directed one-peer exponential graph", SGP,
+              topology="exp-directed", preference=12),
+)

@@ -51,7 +51,9 @@ Reading choices (the paper's details are reconstructed, see research/papers.md 1
   updates dropped. A new in-neighbour may be past k without ever having sent k to me (it was not my
   neighbour then), so in every mode a neighbour whose newest tag is beyond k is represented by its
   next update held (standard mode included; with a fixed graph FIFO links make this case
-  impossible, so it changes nothing there).
+  impossible, so it changes nothing there). The new neighbour may repair first: its update, sent
+  when the edge appeared on its side, then reaches me before my own repair; the newest such update
+  of a live worker is kept (not mixed while it is not my in-neighbour), so it can stand in.
 - The gap bound holds for the sender ahead of the receiver; on undirected graphs (every topology
   here but directed link matrices) it therefore bounds |gap| on every edge.
 - Queues: held updates per in-edge are bounded: standard/backup keep iterations in (last mixed,
@@ -63,13 +65,14 @@ from typing import Any
 
 from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown, PeerUp, Published,
                                Send, Skip, Tick, TokensArrived, UpdateArrived, Wait)
-from peerd.sync.policy import Policy
+from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology
 
 
 class Hop(Policy):
     name = "hop"
+    static_graph = True      # token queues and skipping need a static graph
 
     def __init__(self, me: int, topo: Topology, *, max_ig: int | None = 4, backup: int = 0,
                  staleness: int | None = None, skip: bool = False, max_skip: int = 4) -> None:
@@ -93,6 +96,8 @@ class Hop(Policy):
         self.staleness = staleness
         self.skip = skip
         self.coalesces = backup > 0 or staleness is not None
+        # Standard mode mixes every live in-neighbour's exact-k update: known at Published(k).
+        self.eager_mix = backup == 0 and staleness is None and not skip
         self.max_skip = max_skip
         self.held: dict[int, set[int]] = {}     # src -> iterations in hand
         self.seen: dict[int, int] = {}          # src -> newest tag ever received
@@ -150,8 +155,10 @@ class Hop(Policy):
 
     def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
         j, k = ev.src, ev.k
-        if j in self.dead or j not in self.topo.in_neighbors(self.me, k):
+        if j in self.dead:
             return [Drop(j, k)]
+        if j not in self.topo.in_neighbors(self.me, k):
+            return self._hold_early_edge(j, k)
         self.seen[j] = max(self.seen.get(j, -1), k)
         h = self.held.setdefault(j, set())
         if self.staleness is None:
@@ -166,6 +173,24 @@ class Hop(Policy):
             h.add(k)
             return out + self._try(now)
         return self._try(now)
+
+    def _hold_early_edge(self, j: int, k: int) -> list[Action]:
+        """An update from a live worker that is not my in-neighbour: it repaired its graph before I
+        did (it found a dead worker between us first) and sent me its newest update when the edge
+        appeared on its side. Dropped, that update was never sent again: once my own repair made j
+        my in-neighbour I waited for an update of my iteration, and when j was ahead of me it sent
+        nothing more before my next update, which waited on its one (a deadlock until the silent-
+        peer timeout). So its newest such update is kept (one per sender, freed like any other)
+        and its tag counts, as if the edge had been there; no mix uses it while j is not my
+        in-neighbour."""
+        self.seen[j] = max(self.seen.get(j, -1), k)
+        h = self.held.setdefault(j, set())
+        if k <= self.mixed or k <= self._newest(j):
+            return [Drop(j, k)]
+        out: list[Action] = []
+        self._drop(j, sorted(x for x in h if j not in self.topo.in_neighbors(self.me, x)), out)
+        h.add(k)
+        return out
 
     def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
         self.granted[ev.src] = self.granted.get(ev.src, 0) + ev.n
@@ -237,6 +262,11 @@ class Hop(Policy):
         if row.get(self.me, 0) <= 0:
             raise ValueError(f"topology: worker {self.me} gives itself no weight in row {row}")
         return [(self.me, k, row[self.me])] + [(j, kj, row[j]) for j, kj in got]
+
+    def mix_weight(self, src: int, k: int) -> float | None:
+        if not self.eager_mix or src in self.dead or src not in self.live_in(k):
+            return None
+        return self.topo.weights(self.me, k).get(src)
 
     def preview(self, k: int) -> tuple[tuple[int, int, float], ...] | None:
         """Pure: the entries the mix of k would use if it were decided now (the updates in hand,
@@ -316,3 +346,28 @@ class Hop(Policy):
             "skipped": self.skipped,
         })
         return s
+
+
+def options_from_config(cfg: Any, name: str) -> dict[str, Any]:
+    o: dict[str, Any] = {"max_ig": cfg.sync.hop_max_ig, "max_skip": cfg.sync.hop_max_skip}
+    if "backup" in name:
+        o["backup"] = cfg.sync.hop_backup
+    if "staleness" in name:
+        o["staleness"] = cfg.sync.hop_staleness if cfg.sync.hop_staleness >= 0 else 2
+    return o
+
+
+_OPTIONS = ("max_ig", "backup", "staleness", "skip", "max_skip")
+
+
+def _hop(name: str, description: str, defaults: dict[str, Any], preference: int) -> Algorithm:
+    return Algorithm(name, description, Hop, defaults, _OPTIONS, options_from_config, preference=preference)
+
+
+ALGORITHMS = (
+    _hop("hop", "Hop standard mode: all in-neighbours, token queues bound the gap", {}, 1),
+    _hop("hop-backup", "Hop with b backup in-neighbours", {"backup": 1}, 2),
+    _hop("hop-staleness", "Hop with bounded staleness s", {"staleness": 2}, 3),
+    _hop("hop-backup-skip", "Hop, backup b + iteration skipping", {"backup": 1, "skip": True}, 4),
+    _hop("hop-staleness-skip", "Hop, staleness s + iteration skipping", {"staleness": 2, "skip": True}, 5),
+)

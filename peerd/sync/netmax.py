@@ -62,7 +62,7 @@ import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp,
                                Published, Pull, PullFailed, UpdateArrived, Wait)
-from peerd.sync.policy import Policy, PullBackoff
+from peerd.sync.policy import Algorithm, Policy, PullBackoff
 from peerd.sync import topology
 from peerd.sync.topology import Topology
 
@@ -240,6 +240,10 @@ def probabilities(t: np.ndarray, adj: np.ndarray, kind: str = "opt", consensus: 
 
 class NetMax(Policy):
     name = "netmax"
+    asynchronous = True
+    pulls = True
+    estimates = "pull"
+    static_graph = True
 
     def __init__(self, me: int, topo: Topology, *, probs: str = "opt", gamma: float = 0.5,
                  gap_weight: bool = True, resolve_frac: float = 0.2, consensus: float = 0.3, seed: int = 0,
@@ -402,3 +406,27 @@ class NetMax(Policy):
         s.update({"probs": self.kind, "row": {int(j): round(float(row[j]), 4) for j in np.flatnonzero(row > 0)},
                   "pulling": self.pulling, "solves": self.solves})
         return s
+
+
+def options_from_config(cfg: Any, name: str) -> dict[str, Any]:
+    s = cfg.sync
+    return dict(gamma=s.netmax_gamma, gap_weight=s.netmax_gap_weight, resolve_frac=s.netmax_resolve_frac,
+                consensus=s.netmax_consensus, smoothing=s.netmax_smoothing, switch_frac=s.netmax_switch_frac,
+                pull_backoff=cfg.train.pull_backoff, pull_backoff_first=cfg.train.pull_backoff_first)
+
+
+_OPTIONS = ("seed", "probs", "gamma", "gap_weight", "resolve_frac", "consensus", "smoothing", "switch_frac",
+            "pull_backoff", "pull_backoff_first")
+
+
+def _netmax(name: str, description: str, probs: str, preference: int, planned: bool = True) -> Algorithm:
+    return Algorithm(name, description, NetMax, {"probs": probs}, _OPTIONS, options_from_config,
+                     preference=preference, planned=planned)
+
+
+ALGORITHMS = (
+    _netmax("netmax", "NetMax: one-peer pull, probabilities optimised for time to converge", "opt", 7),
+    _netmax("netmax-uniform", "NetMax pull with uniform peer probabilities (ablation)", "uniform", 8, False),
+    _netmax("netmax-inv", "NetMax pull with p ~ 1/t (ablation)", "inv", 9, False),
+    _netmax("netmax-invsqrt", "NetMax pull with p ~ 1/sqrt(t) (ablation)", "invsqrt", 10, False),
+)

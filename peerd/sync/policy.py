@@ -13,6 +13,7 @@ A policy never sleeps, reads a clock or does I/O. The driver (daemon, simulator,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
@@ -21,12 +22,31 @@ from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerD
 
 
 class Policy:
-    """Base class: dispatch by event type; subclasses override the handlers they need."""
+    """Base class: dispatch by event type; subclasses override the handlers they need.
+
+    What a driver needs to know about an algorithm is declared here, never inferred from its name:
+    """
     name = "policy"
+    # No barrier: each worker runs at its own pace (`peerd train --budget swarm` counts their work).
+    asynchronous = False
+    # The worker pulls its neighbours' parameters (Pull actions) instead of being pushed updates.
+    pulls = False
+    # Which LinkEstimates matrix on_estimates consumes: "none", "arrival" (when each in-neighbour's
+    # update arrives) or "pull" (a pull's round trip); see peerd.sim.engine.Simulator.estimates.
+    estimates = "none"
     # Whether a newer update may replace an older one still queued, unsent, to the same neighbour
     # (the driver's sender coalesces when its config allows): true where the receiver takes a
     # neighbour's next update in place of one it never got (Hop's backup and staleness modes).
     coalesces = False
+    # Whether the mix of k is fully determined by the iteration-k updates (every live in-neighbour,
+    # exact k): a driver may then request it at Published(k) and compute it during the gradient.
+    eager_mix = False
+    # The graph must be static (token queues, spanning trees, pull probabilities).
+    static_graph = False
+    # How many of its newest published iterations the policy may still Send or Mix: the driver keeps
+    # that many snapshots of its own parameters (and any still streaming). Every policy here sends
+    # and mixes only its newest.
+    own_snapshots = 1
 
     def __init__(self, me: int, n: int) -> None:
         if not 0 <= me < n:
@@ -103,6 +123,24 @@ class Policy:
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return []
 
+    def mix_weight(self, src: int, k: int) -> float | None:
+        """Optional, pure, for eager_mix policies: the (not renormalised) weight the mix of k will
+        give src's iteration-k update, if src is a live in-neighbour at k; lets a driver sum the
+        update as it arrives. None: not known ahead (the default)."""
+        return None
+
+    @classmethod
+    def unsupported(cls, topo: Any) -> str | None:
+        """Why this algorithm cannot run on `topo` (None: it can); `peerd plan` asks before it
+        offers a contender."""
+        if cls.static_graph and topo.period != 1:
+            return "needs a static graph"
+        return None
+
+    @property
+    def has_preview(self) -> bool:
+        return type(self).preview is not Policy.preview
+
     def preview(self, k: int) -> tuple[tuple[int, int, float], ...] | None:
         """Optional, pure: the (src, iteration, weight) entries the mix of k would use if it were
         decided now, weights before renormalisation over the entries used; lets a driver sum the
@@ -149,3 +187,19 @@ class PullBackoff:
 
     def ready(self, peer: int, now: float) -> bool:
         return self.until.get(peer, now) <= now
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm as `peerd train --algo NAME`, the simulator and `peerd plan` know it. Each
+    algorithm module lists its own in an ALGORITHMS tuple; peerd.sync.registry collects them."""
+    name: str
+    description: str
+    policy: type[Policy]                   # policy(me, topo, **options): one worker's policy
+    defaults: dict[str, Any] = field(default_factory=dict)    # options every worker gets (e.g. backup=1)
+    accepts: tuple[str, ...] = ()          # option names the policy takes ("seed" too if it draws
+                                           # at random); others given are ignored
+    from_config: Callable[[Any, str], dict[str, Any]] | None = None   # options from a peerd Config
+    topology: str = ""                     # a graph it always runs on (SGP: exp-directed); "": the run's
+    preference: int = 100                  # ties in `peerd plan` go to the lowest (simple, exact averaging first)
+    planned: bool = True                   # a contender `peerd plan` and `--algo auto` consider (not ablations)

@@ -133,7 +133,7 @@ def spread_slow_hosts(order: list[str], access: dict[str, float], site: dict[str
     All class 0: the order is kept as it is (noise never reshuffles a uniform LAN). Otherwise,
     slowest class first (ties in the given order), the first half is interleaved with the rest
     reversed: slowest, fastest, second slowest, second fastest, ... Pure and deterministic, but the
-    inputs are one host's measurements: one host orders a run (peerd.node.joining.place)."""
+    inputs are one host's measurements: one host orders a run (peerd.node.run.joining.place)."""
     site = site or {}
     out: list[str] = []
     start = 0

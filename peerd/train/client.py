@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import grpc
 import torch
@@ -51,6 +52,8 @@ class DaemonExchange:
         self._stub = control_pb2_grpc.ControlStub(self._channel)
         self.session = session
         self.timeout = timeout
+        self._published_at = 0.0
+        self._iteration_s = 0.0           # seconds between our last two publishes
         self.rank = 0
         self.world = 1
         self.node_id = ""
@@ -127,15 +130,26 @@ class DaemonExchange:
     def _slot_of(self, iteration: int) -> int:
         return 0 if self._hosted else iteration % 2
 
-    def publish(self, iteration: int, buf: torch.Tensor) -> None:
+    def host_buffer(self, iteration: int) -> torch.Tensor:
+        """The slot that publish(iteration) reads: a trainer whose parameters live elsewhere (a
+        GPU) may copy x_k straight into it and publish the slot itself (no second copy)."""
+        return self._slots[self._slot_of(iteration)]
+
+    def publish(self, iteration: int, buf: torch.Tensor, *, mass: float = 1.0,
+                ranges: Sequence[int] | None = None) -> None:
         slot = self._slot_of(iteration)
         if buf.data_ptr() != self._slots[slot].data_ptr():
             self._slots[slot].copy_(buf)
+        now = time.monotonic()
+        if self._published_at:
+            self._iteration_s = now - self._published_at
+        self._published_at = now
         self._await_publish()
         # The reply is not waited for here: the daemon answers at once but then snapshots the slot
         # (and may compute the mix) on the same loop; the trainer reads the reply at mix time.
         self._publishing = self._stub.Publish.future(
-            cpb.PublishRequest(session_id=self.session, iteration=iteration, slot=slot), timeout=self.timeout)
+            cpb.PublishRequest(session_id=self.session, iteration=iteration, slot=slot,
+                               mass=mass if mass != 1.0 else 0.0, ranges=list(ranges or ())), timeout=self.timeout)
 
     def _await_publish(self) -> None:
         call, self._publishing = self._publishing, None
@@ -146,8 +160,10 @@ class DaemonExchange:
         slot = 1 - self._slot_of(iteration)
         self._await_publish()   # Mix(k) must reach the daemon after Publish(k)
         metric, self._metric = self._metric, None
+        # A neighbour may be a whole iteration behind (a DiLoCo round lasts minutes): the bound
+        # grows with the time between our own publishes, as the daemon's waits do.
         reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot,
-                                              metric=metric), timeout=self.timeout)
+                                              metric=metric), timeout=self.timeout + 3 * self._iteration_s)
         used = len(reply.entries)
         return MixResult(iteration, self._slots[slot] if used else None,
                          skip_to=reply.skip_to or None, used=used)

@@ -8,8 +8,11 @@ attached with (peerd.train.flat), so the exchange never sees a model.
 Contract (every implementation):
 - ``attach(layout) -> start_iteration``: once, before anything else; refuses a layout that differs
   from the group's with ``LayoutMismatch`` naming the first difference.
-- ``publish(k, buf)``: non-blocking; snapshots ``buf`` before returning (the caller may overwrite
-  it at once). Iterations strictly increase.
+- ``publish(k, buf, mass=1.0, ranges=None)``: non-blocking; snapshots ``buf`` before returning (the
+  caller may overwrite it at once). Iterations strictly increase. ``mass`` weighs this buffer in
+  every mix that uses it, relative to the others' (DiLoCo: the inner steps it took); ``ranges``:
+  the (start, end) byte pairs that changed since the previous publish (a hint: the daemon then
+  sends only those, as changes of a public copy; peerd.net.copies).
 - ``mix(k) -> MixResult``: blocks (bounded by a timeout) until the mix for k is ready. The
   returned ``params`` buffer is valid until this worker's next ``publish`` or ``mix``. ``params``
   is None when there was nothing to mix (the trainer keeps its own x_k). ``skip_to``: after
@@ -41,7 +44,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -56,6 +59,7 @@ class MixResult:
     skip_to: int | None = None        # continue at this iteration after applying this one
     used: int = 0                     # buffers averaged, own included
     dropped: int = 0                  # buffers refused (NaN/Inf)
+    staged: Any = None                # params still arriving on the device in chunks (peerd.train.device.StagedMix)
 
 
 class Exchange(Protocol):
@@ -63,7 +67,8 @@ class Exchange(Protocol):
     world: int
 
     def attach(self, layout: Layout) -> int: ...
-    def publish(self, iteration: int, buf: torch.Tensor) -> None: ...
+    def publish(self, iteration: int, buf: torch.Tensor, *, mass: float = 1.0,
+                ranges: Sequence[int] | None = None) -> None: ...
     def mix(self, iteration: int) -> MixResult: ...
     def close(self) -> None: ...
 
@@ -99,6 +104,7 @@ class _Slot:
     buf: torch.Tensor
     finite: bool
     refs: int          # mixes still to read it
+    mass: float = 1.0
 
 
 class LocalGroup:
@@ -112,7 +118,7 @@ class LocalGroup:
                  timeout: float | None = None):
         self.world = world
         self.weights = topology_weights(world, topology)
-        self.timeout = Config().train_mix_timeout if timeout is None else timeout
+        self.timeout = Config().train.mix_timeout if timeout is None else timeout
         self._sources = [[j for j in range(world) if self.weights[i, j] > 0] for i in range(world)]
         self._readers = [sum(1 for i in range(world) if self.weights[i, j] > 0) for j in range(world)]
         self._cv = threading.Condition()
@@ -146,7 +152,7 @@ class LocalGroup:
                 layout.check(self._layout, here=f"at rank {rank}", there=f"at rank {self._layout_rank}")
         return 0
 
-    def _publish(self, rank: int, k: int, buf: torch.Tensor) -> None:
+    def _publish(self, rank: int, k: int, buf: torch.Tensor, mass: float = 1.0) -> None:
         if self._layout is None:
             raise RuntimeError(f"rank {rank} publishes before attach")
         if k <= self._last[rank]:
@@ -159,7 +165,7 @@ class LocalGroup:
             if not finite:
                 self.nonfinite_published[rank] += 1
             self._last[rank] = k
-            self._slots[(rank, k)] = _Slot(snap, finite, self._readers[rank])
+            self._slots[(rank, k)] = _Slot(snap, finite, self._readers[rank], mass)
             self._cv.notify_all()
 
     def _mix(self, rank: int, k: int) -> MixResult:
@@ -183,13 +189,13 @@ class LocalGroup:
         dropped = len(slots) - len(good)
         out = None
         if good:
-            total = float(sum(self.weights[rank, j] for j, _ in good))
+            total = float(sum(self.weights[rank, j] * s.mass for j, s in good))
             out = self._out[rank]
             if out is None:
-                out = self._out[rank] = torch.empty_like(good[0][1].buf)
+                out = self._out[rank] = torch.zeros_like(good[0][1].buf)   # padding stays 0
             for t_out, *t_src in zip(self._layout.typed(out), *(self._layout.typed(s.buf) for _, s in good)):
-                for n, ((j, _), src) in enumerate(zip(good, t_src)):
-                    w = float(self.weights[rank, j]) / total
+                for n, ((j, s), src) in enumerate(zip(good, t_src)):
+                    w = float(self.weights[rank, j]) * s.mass / total
                     if n == 0:
                         torch.mul(src, w, out=t_out)
                     else:
@@ -214,8 +220,9 @@ class LocalExchange:
     def attach(self, layout: Layout) -> int:
         return self.group._attach(self.rank, layout)
 
-    def publish(self, iteration: int, buf: torch.Tensor) -> None:
-        self.group._publish(self.rank, iteration, buf)
+    def publish(self, iteration: int, buf: torch.Tensor, *, mass: float = 1.0,
+                ranges: Sequence[int] | None = None) -> None:
+        self.group._publish(self.rank, iteration, buf, mass)
 
     def mix(self, iteration: int) -> MixResult:
         return self.group._mix(self.rank, iteration)

@@ -144,18 +144,26 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         res = self.exchange.mix(self.iteration)
         if res.iteration != self.iteration:
             raise RuntimeError(f"exchange answered iteration {res.iteration} to a mix of {self.iteration}")
-        mix = self._mix_views(res)
         finite = True
         if self.skip_nonfinite:
             finite = all(all_finite(g) for g in self._g)
-        if finite:
+        if res.staged is not None and finite and self.rule != "torch":
             self.local_steps += 1
-            self._update(mix)
+            self._update_staged(res)
         else:
-            self.stats["nonfinite_grads"] += 1
-            for x, m in zip(self._x, mix):
-                if m is not x:
-                    x.copy_(m)
+            if res.staged is not None:
+                res.staged.arrive_all()
+            mix = self._mix_views(res)
+            if finite:
+                self.local_steps += 1
+                self._update(mix)
+            else:
+                self.stats["nonfinite_grads"] += 1
+                for x, m in zip(self._x, mix):
+                    if m is not x:
+                        x.copy_(m)
+            if res.staged is not None:
+                res.staged.applied(len(res.staged.chunks) - 1)
         self.stats["steps"] += 1
         self.stats["dropped"] += res.dropped
         if res.params is None:
@@ -188,55 +196,86 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._bufs[name] = [torch.zeros_like(x) for x in self._x]
         return self._bufs[name]
 
+    def _update_staged(self, res: MixResult) -> None:
+        """The update chunk by chunk as the mix arrives on the device (peerd.train.device): chunk i
+        is updated while chunk i+1 is still being copied. A chunk holding NaN/Inf (an exchange
+        should never return one) is not applied: that chunk starts from x_k (counted once)."""
+        from peerd.train.device import device_ranges
+        staged = res.staged
+        key = tuple(staged.chunks)
+        if getattr(self, "_pieces_key", None) != key:
+            self._pieces_key, self._pieces = key, device_ranges(staged.chunks, self.flat.segments)
+        mix = self.flat.views(res.params)
+        bad = False
+        for ci, pieces in enumerate(self._pieces):
+            staged.arrive(ci)
+            parts = [mix[i][lo:hi] for i, lo, hi in pieces]
+            if not all(all_finite(p) for p in parts):
+                bad = True
+                parts = [self._x[i][lo:hi] for i, lo, hi in pieces]
+            for (i, lo, hi), m in zip(pieces, parts):
+                self._update_range(i, lo, hi, m)
+            staged.applied(ci)
+        if bad:
+            self.stats["nonfinite_mix"] += 1
+
     def _update(self, mix: list[torch.Tensor]) -> None:
         if self.rule == "torch":
             return self._update_torch(mix)
+        for i, x in enumerate(self._x):
+            self._update_range(i, 0, x.numel(), mix[i])
+
+    def _update_range(self, i: int, lo: int, hi: int, m: torch.Tensor) -> None:
+        """x_{k+1} = mix_k - lr * d(x_k) on elements [lo, hi) of segment i (``m``: the mix there).
+        Every rule is element-wise, so a segment updated in pieces equals one updated whole."""
         t = self.local_steps
-        for i, seg in enumerate(self.flat.segments):
-            grp = self.param_groups[seg.group]
-            x, g, m = self._x[i], self._g[i], mix[i]
-            lr, wd = grp["lr"], grp["weight_decay"]
-            decoupled = self.rule in ("adamw", "accumadamw")
-            if wd and not decoupled:
-                g = torch.add(g, x, alpha=wd, out=self._state("scratch_g")[i])
-            if decoupled and wd:
-                base = torch.mul(m, 1 - lr * wd, out=self._state("scratch_m")[i])
-            else:
-                base = m
-            if self.rule == "sgd":
-                d = g
-                mom = grp["momentum"]
-                if mom:
-                    buf = self._state("momentum")[i]
-                    if t == 1:
-                        buf.copy_(g)
-                    else:
-                        buf.mul_(mom).add_(g)
-                    d = torch.add(g, buf, alpha=mom, out=self._state("scratch_d")[i]) \
-                        if grp["nesterov"] else buf
-                torch.add(base, d, alpha=-lr, out=x)
-            elif self.rule in ("adam", "adamw"):
-                b1, b2 = grp["betas"]
-                ea, eas = self._state("exp_avg")[i], self._state("exp_avg_sq")[i]
-                ea.lerp_(g, 1 - b1)
-                eas.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = torch.sqrt(eas, out=self._state("scratch_d")[i])
-                denom.div_(math.sqrt(1 - b2 ** t)).add_(grp["eps"])
-                torch.addcdiv(base, ea, denom, value=-lr / (1 - b1 ** t), out=x)
-            else:  # accumadam, accumadamw: papers.md 4.5, block k = ceil(t / T)
-                b1, b2 = grp["betas"]
-                T = grp["accum_iter"]
-                k = -(-t // T)
-                mbar, vbar, acc = (self._state(n)[i] for n in ("mbar", "vbar", "accum"))
-                acc.add_(g, alpha=1.0 / T)
-                mt = torch.mul(mbar, b1, out=self._state("scratch_d")[i]).add_(g, alpha=1 - b1)
-                vt = torch.mul(vbar, b2, out=self._state("scratch_v")[i]).addcmul_(g, g, value=1 - b2)
-                vt.sqrt_().div_(math.sqrt(1 - b2 ** k)).add_(grp["eps"])
-                torch.addcdiv(base, mt, vt, value=-lr / (1 - b1 ** k), out=x)
-                if t % T == 0:
-                    mbar.mul_(b1).add_(acc, alpha=1 - b1)
-                    vbar.mul_(b2).addcmul_(acc, acc, value=1 - b2)
-                    acc.zero_()
+        seg = self.flat.segments[i]
+        grp = self.param_groups[seg.group]
+        x, g = self._x[i][lo:hi], self._g[i][lo:hi]
+
+        def st(name: str) -> torch.Tensor:
+            return self._state(name)[i][lo:hi]
+        lr, wd = grp["lr"], grp["weight_decay"]
+        decoupled = self.rule in ("adamw", "accumadamw")
+        if wd and not decoupled:
+            g = torch.add(g, x, alpha=wd, out=st("scratch_g"))
+        if decoupled and wd:
+            base = torch.mul(m, 1 - lr * wd, out=st("scratch_m"))
+        else:
+            base = m
+        if self.rule == "sgd":
+            d = g
+            mom = grp["momentum"]
+            if mom:
+                buf = st("momentum")
+                if t == 1:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(mom).add_(g)
+                d = torch.add(g, buf, alpha=mom, out=st("scratch_d")) if grp["nesterov"] else buf
+            torch.add(base, d, alpha=-lr, out=x)
+        elif self.rule in ("adam", "adamw"):
+            b1, b2 = grp["betas"]
+            ea, eas = st("exp_avg"), st("exp_avg_sq")
+            ea.lerp_(g, 1 - b1)
+            eas.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = torch.sqrt(eas, out=st("scratch_d"))
+            denom.div_(math.sqrt(1 - b2 ** t)).add_(grp["eps"])
+            torch.addcdiv(base, ea, denom, value=-lr / (1 - b1 ** t), out=x)
+        else:  # accumadam, accumadamw: papers.md 4.5, block k = ceil(t / T)
+            b1, b2 = grp["betas"]
+            T = grp["accum_iter"]
+            k = -(-t // T)
+            mbar, vbar, acc = st("mbar"), st("vbar"), st("accum")
+            acc.add_(g, alpha=1.0 / T)
+            mt = torch.mul(mbar, b1, out=st("scratch_d")).add_(g, alpha=1 - b1)
+            vt = torch.mul(vbar, b2, out=st("scratch_v")).addcmul_(g, g, value=1 - b2)
+            vt.sqrt_().div_(math.sqrt(1 - b2 ** k)).add_(grp["eps"])
+            torch.addcdiv(base, mt, vt, value=-lr / (1 - b1 ** k), out=x)
+            if t % T == 0:
+                mbar.mul_(b1).add_(acc, alpha=1 - b1)
+                vbar.mul_(b2).addcmul_(acc, acc, value=1 - b2)
+                acc.zero_()
 
     def _update_torch(self, mix: list[torch.Tensor]) -> None:
         assert self.torch_inner is not None

@@ -18,6 +18,8 @@ Tasks:
   workload, at toy size. SGD.
 - "lm": character-level tiny transformer language model on data/harbour.txt (original text
   shipped with the project, ~6 KB); the last 10 % is held out. Adam (DAdam / AccumAdam).
+- "gpt": a GPT-style byte-level language model (25.5M parameters by default; presets tiny,
+  small, base) on the Python standard library's own source files (peerd.train.lm).
 
 Shards. Classification, iid: the training set shuffled with ``seed`` and dealt round robin.
 Non-iid: the training set sorted by label (ties in shuffled order) and cut into ``world``
@@ -50,6 +52,12 @@ class Shard:
 
     def __len__(self) -> int:
         return len(self.tensors[0])
+
+
+def _on(model: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the model's device (a no-op on the CPU)."""
+    dev = next(model.parameters()).device
+    return tuple(t.to(dev) for t in tensors)
 
 
 def _deal(n: int, rank: int, world: int, labels: torch.Tensor | None, non_iid: bool, seed: int) -> torch.Tensor:
@@ -154,7 +162,7 @@ class Digits(_Classification):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        _, _, x, y = self.data()
+        _, _, x, y = _on(model, *self.data())
         out = model(x)
         return {"accuracy": (out.argmax(1) == y).float().mean().item(),
                 "loss": F.cross_entropy(out, y).item()}
@@ -214,7 +222,7 @@ class Svm(_Classification):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        _, _, x, y = self.data()
+        _, _, x, y = _on(model, *self.data())
         loss, f = self._hinge(model, x, y)
         return {"accuracy": ((f >= 0).long() == y).float().mean().item(), "loss": loss.item()}
 
@@ -291,21 +299,35 @@ class CharLM:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        _, val = self.data()
+        _, val = _on(model, *self.data())
         n = (len(val) - 1) // self.ctx
         x = val[: n * self.ctx].view(n, self.ctx)
         y = val[1: n * self.ctx + 1].view(n, self.ctx)
         return {"loss": self.loss(model, (x, y)).item()}
 
 
-TASKS: dict[str, Any] = {"digits": Digits(), "digits-wide": DigitsWide(), "svm": Svm(), "lm": CharLM()}
+def _gpt() -> Any:
+    from peerd.train.lm import StdlibGPT
+    return StdlibGPT()
 
 
-def get_task(name: str) -> Any:
+TASKS: dict[str, Any] = {"digits": Digits(), "digits-wide": DigitsWide(), "svm": Svm(), "lm": CharLM(),
+                         "gpt": _gpt()}
+
+
+def get_task(name: str, **options: Any) -> Any:
+    """The built-in task ``name``; ``options`` (not None) configure a task that takes them
+    (gpt: model_size, context, eval_tokens, cache_dir)."""
     try:
-        return TASKS[name]
+        task = TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}: one of {sorted(TASKS)}") from None
+    options = {k: v for k, v in options.items() if v is not None}
+    if not options:
+        return task
+    if not hasattr(task, "configure"):
+        raise ValueError(f"task {name!r} takes no options (given: {sorted(options)})")
+    return task.configure(**options)
 
 
 # -- evaluation helpers -----------------------------------------------------------------------

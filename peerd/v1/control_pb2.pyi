@@ -38,7 +38,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ..., bad_updates: _Optional[int] = ..., flagged_for_s: _Optional[float] = ..., last_offence: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines", "last_training_json")
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines", "last_training_json", "loop_lag_p99_ms", "loop_lag_max_ms", "suspect_events", "metrics_url", "tls_mode", "revoked_nodes", "trust", "reachability", "tunnels_to", "tunnels_from", "dial_backs_reached", "dial_backs_failed", "tunnelled_connections", "tunnelled_bytes", "relayed_to", "relay", "relayed_connections", "relayed_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,24 @@ class StatusReply(_message.Message):
     RATE_LIMIT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_LOG_LINES_FIELD_NUMBER: _ClassVar[int]
     LAST_TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    TLS_MODE_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_NODES_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    TUNNELS_TO_FIELD_NUMBER: _ClassVar[int]
+    TUNNELS_FROM_FIELD_NUMBER: _ClassVar[int]
+    DIAL_BACKS_REACHED_FIELD_NUMBER: _ClassVar[int]
+    DIAL_BACKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    TUNNELLED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    TUNNELLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_TO_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     run_id: str
@@ -73,7 +91,75 @@ class StatusReply(_message.Message):
     rate_limit_entries: int
     refusal_log_lines: int
     last_training_json: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ..., last_training_json: _Optional[str] = ...) -> None: ...
+    loop_lag_p99_ms: float
+    loop_lag_max_ms: float
+    suspect_events: int
+    metrics_url: str
+    tls_mode: str
+    revoked_nodes: int
+    trust: str
+    reachability: str
+    tunnels_to: _containers.RepeatedScalarFieldContainer[str]
+    tunnels_from: _containers.RepeatedScalarFieldContainer[str]
+    dial_backs_reached: int
+    dial_backs_failed: int
+    tunnelled_connections: int
+    tunnelled_bytes: int
+    relayed_to: _containers.RepeatedScalarFieldContainer[str]
+    relay: bool
+    relayed_connections: int
+    relayed_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ..., last_training_json: _Optional[str] = ..., loop_lag_p99_ms: _Optional[float] = ..., loop_lag_max_ms: _Optional[float] = ..., suspect_events: _Optional[int] = ..., metrics_url: _Optional[str] = ..., tls_mode: _Optional[str] = ..., revoked_nodes: _Optional[int] = ..., trust: _Optional[str] = ..., reachability: _Optional[str] = ..., tunnels_to: _Optional[_Iterable[str]] = ..., tunnels_from: _Optional[_Iterable[str]] = ..., dial_backs_reached: _Optional[int] = ..., dial_backs_failed: _Optional[int] = ..., tunnelled_connections: _Optional[int] = ..., tunnelled_bytes: _Optional[int] = ..., relayed_to: _Optional[_Iterable[str]] = ..., relay: _Optional[bool] = ..., relayed_connections: _Optional[int] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
+
+class SwarmRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SwarmPeer(_message.Message):
+    __slots__ = ("node_id", "address", "state", "answered", "error", "run_active", "run_tag", "iteration", "algorithm")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RUN_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    RUN_TAG_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    state: str
+    answered: bool
+    error: str
+    run_active: bool
+    run_tag: str
+    iteration: int
+    algorithm: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., answered: _Optional[bool] = ..., error: _Optional[str] = ..., run_active: _Optional[bool] = ..., run_tag: _Optional[str] = ..., iteration: _Optional[int] = ..., algorithm: _Optional[str] = ...) -> None: ...
+
+class SwarmReply(_message.Message):
+    __slots__ = ("status", "links", "peers", "progress")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    status: StatusReply
+    links: LinksReply
+    peers: _containers.RepeatedCompositeFieldContainer[SwarmPeer]
+    progress: TrainProgress
+    def __init__(self, status: _Optional[_Union[StatusReply, _Mapping]] = ..., links: _Optional[_Union[LinksReply, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[SwarmPeer, _Mapping]]] = ..., progress: _Optional[_Union[TrainProgress, _Mapping]] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownReply(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
 
 class LinksRequest(_message.Message):
     __slots__ = ()
@@ -151,7 +237,7 @@ class TrainRequest(_message.Message):
     def __init__(self, task: _Optional[str] = ..., algorithm: _Optional[str] = ..., topology: _Optional[str] = ..., world: _Optional[int] = ..., iterations: _Optional[int] = ..., seed: _Optional[int] = ..., non_iid: _Optional[bool] = ..., slowdown: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., script: _Optional[_Iterable[str]] = ..., eval_every: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., max_world: _Optional[int] = ...) -> None: ...
 
 class TrainProgress(_message.Message):
-    __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped", "wall_time")
+    __slots__ = ("state", "message", "iteration", "loss", "iterations_per_s", "peers_in_last_mix", "gap_to_fastest", "elapsed_s", "metric_name", "metric", "rank", "world", "trainer_restarts", "skipped", "wall_time", "mixes", "partial_mixes", "partial_note")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +253,9 @@ class TrainProgress(_message.Message):
     TRAINER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_FIELD_NUMBER: _ClassVar[int]
+    MIXES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_MIXES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_NOTE_FIELD_NUMBER: _ClassVar[int]
     state: str
     message: str
     iteration: int
@@ -182,7 +271,10 @@ class TrainProgress(_message.Message):
     trainer_restarts: int
     skipped: int
     wall_time: float
-    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., iterations_per_s: _Optional[float] = ..., peers_in_last_mix: _Optional[int] = ..., gap_to_fastest: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., metric_name: _Optional[str] = ..., metric: _Optional[float] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., trainer_restarts: _Optional[int] = ..., skipped: _Optional[int] = ..., wall_time: _Optional[float] = ...) -> None: ...
+    mixes: int
+    partial_mixes: int
+    partial_note: str
+    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., iteration: _Optional[int] = ..., loss: _Optional[float] = ..., iterations_per_s: _Optional[float] = ..., peers_in_last_mix: _Optional[int] = ..., gap_to_fastest: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., metric_name: _Optional[str] = ..., metric: _Optional[float] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., trainer_restarts: _Optional[int] = ..., skipped: _Optional[int] = ..., wall_time: _Optional[float] = ..., mixes: _Optional[int] = ..., partial_mixes: _Optional[int] = ..., partial_note: _Optional[str] = ...) -> None: ...
 
 class LayoutEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -229,16 +321,20 @@ class AttachReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_from_slot: _Optional[bool] = ..., join_note: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("session_id", "iteration", "slot", "seq")
+    __slots__ = ("session_id", "iteration", "slot", "seq", "mass", "ranges")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    MASS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     iteration: int
     slot: int
     seq: int
-    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    mass: float
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., mass: _Optional[float] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ()
@@ -344,3 +440,23 @@ class DirectReply(_message.Message):
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
     delivered: int
     def __init__(self, delivered: _Optional[int] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("node_id", "revoked_at", "reason", "signature")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    revoked_at: float
+    reason: str
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., revoked_at: _Optional[float] = ..., reason: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ("added", "revoked_nodes")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_NODES_FIELD_NUMBER: _ClassVar[int]
+    added: bool
+    revoked_nodes: int
+    def __init__(self, added: _Optional[bool] = ..., revoked_nodes: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,21 @@ class ControlStub:
                 request_serializer=peerd_dot_v1_dot_control__pb2.DirectRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_control__pb2.DirectReply.FromString,
                 _registered_method=True)
+        self.Swarm = channel.unary_unary(
+                '/peerd.v1.Control/Swarm',
+                request_serializer=peerd_dot_v1_dot_control__pb2.SwarmRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.SwarmReply.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/peerd.v1.Control/Shutdown',
+                request_serializer=peerd_dot_v1_dot_control__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.ShutdownReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/peerd.v1.Control/Revoke',
+                request_serializer=peerd_dot_v1_dot_control__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_control__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -138,6 +153,24 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Swarm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +218,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Direct,
                     request_deserializer=peerd_dot_v1_dot_control__pb2.DirectRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_control__pb2.DirectReply.SerializeToString,
+            ),
+            'Swarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Swarm,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.SwarmRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.SwarmReply.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.ShutdownRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.ShutdownReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=peerd_dot_v1_dot_control__pb2.RevokeRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_control__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +478,87 @@ class Control:
             '/peerd.v1.Control/Direct',
             peerd_dot_v1_dot_control__pb2.DirectRequest.SerializeToString,
             peerd_dot_v1_dot_control__pb2.DirectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Swarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Control/Swarm',
+            peerd_dot_v1_dot_control__pb2.SwarmRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.SwarmReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Control/Shutdown',
+            peerd_dot_v1_dot_control__pb2.ShutdownRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.ShutdownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Control/Revoke',
+            peerd_dot_v1_dot_control__pb2.RevokeRequest.SerializeToString,
+            peerd_dot_v1_dot_control__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DialBack(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIAL_BACK_UNSPECIFIED: _ClassVar[DialBack]
+    DIAL_BACK_REACHED: _ClassVar[DialBack]
+    DIAL_BACK_FAILED: _ClassVar[DialBack]
+
 class PeerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PEER_STATE_UNSPECIFIED: _ClassVar[PeerState]
@@ -20,6 +26,11 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPRESSION_NONE: _ClassVar[Compression]
     COMPRESSION_FP16: _ClassVar[Compression]
     COMPRESSION_BF16: _ClassVar[Compression]
+    COMPRESSION_INT8: _ClassVar[Compression]
+    COMPRESSION_INT4: _ClassVar[Compression]
+DIAL_BACK_UNSPECIFIED: DialBack
+DIAL_BACK_REACHED: DialBack
+DIAL_BACK_FAILED: DialBack
 PEER_STATE_UNSPECIFIED: PeerState
 PEER_STATE_ALIVE: PeerState
 PEER_STATE_SUSPECT: PeerState
@@ -28,9 +39,11 @@ PEER_STATE_LEFT: PeerState
 COMPRESSION_NONE: Compression
 COMPRESSION_FP16: Compression
 COMPRESSION_BF16: Compression
+COMPRESSION_INT8: Compression
+COMPRESSION_INT4: Compression
 
 class Capabilities(_message.Message):
-    __slots__ = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version", "site")
+    __slots__ = ("device_kind", "gpu_name", "gpu_memory_bytes", "step_time_s", "cpu_count", "peerd_version", "site", "relay")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     GPU_NAME_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +51,7 @@ class Capabilities(_message.Message):
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     PEERD_VERSION_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     gpu_name: str
     gpu_memory_bytes: int
@@ -45,7 +59,8 @@ class Capabilities(_message.Message):
     cpu_count: int
     peerd_version: str
     site: str
-    def __init__(self, device_kind: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., peerd_version: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
+    relay: bool
+    def __init__(self, device_kind: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., peerd_version: _Optional[str] = ..., site: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id", "protocol_version", "run_id", "address", "capabilities", "incarnation")
@@ -64,12 +79,38 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("node", "peers")
+    __slots__ = ("node", "peers", "revocations", "dial_back")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    DIAL_BACK_FIELD_NUMBER: _ClassVar[int]
     node: Hello
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, node: _Optional[_Union[Hello, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
+    dial_back: DialBack
+    def __init__(self, node: _Optional[_Union[Hello, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ..., dial_back: _Optional[_Union[DialBack, str]] = ...) -> None: ...
+
+class TunnelFrame(_message.Message):
+    __slots__ = ("data", "go", "target")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    GO_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    go: bool
+    target: str
+    def __init__(self, data: _Optional[bytes] = ..., go: _Optional[bool] = ..., target: _Optional[str] = ...) -> None: ...
+
+class Revocation(_message.Message):
+    __slots__ = ("node_id", "revoked_at", "reason", "signature")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    revoked_at: float
+    reason: str
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., revoked_at: _Optional[float] = ..., reason: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("node_id", "address", "incarnation", "state")
@@ -108,32 +149,40 @@ class LinkEntry(_message.Message):
     def __init__(self, measurer: _Optional[str] = ..., target: _Optional[str] = ..., throughput_bytes_s: _Optional[float] = ..., throughput_spread_bytes_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., rtt_spread_s: _Optional[float] = ..., samples: _Optional[int] = ..., age_s: _Optional[float] = ..., capacity_bytes_s: _Optional[float] = ..., capacity_age_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id", "incarnation", "seq", "peers", "address", "links")
+    __slots__ = ("node_id", "incarnation", "seq", "peers", "address", "links", "revocations_digest", "revocations")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     seq: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     address: str
     links: _containers.RepeatedCompositeFieldContainer[LinkEntry]
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ...) -> None: ...
+    revocations_digest: bytes
+    revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ..., revocations_digest: _Optional[bytes] = ..., revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("node_id", "incarnation", "peers", "links")
+    __slots__ = ("node_id", "incarnation", "peers", "links", "revocations_digest", "revocations")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     links: _containers.RepeatedCompositeFieldContainer[LinkEntry]
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ...) -> None: ...
+    revocations_digest: bytes
+    revocations: _containers.RepeatedCompositeFieldContainer[Revocation]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkEntry, _Mapping]]] = ..., revocations_digest: _Optional[bytes] = ..., revocations: _Optional[_Iterable[_Union[Revocation, _Mapping]]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("nonce", "payload", "reply_bytes")
@@ -178,7 +227,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("sender", "run_id", "iteration", "tensors", "total_bytes", "wire_bytes", "checksum_algo", "checksum", "compression", "transfer_id", "kind")
+    __slots__ = ("sender", "run_id", "iteration", "tensors", "total_bytes", "wire_bytes", "checksum_algo", "checksum", "compression", "transfer_id", "kind", "mass", "copy_epoch", "copy_base", "copy_version", "ranges")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +239,11 @@ class TensorHeader(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    MASS_FIELD_NUMBER: _ClassVar[int]
+    COPY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COPY_BASE_FIELD_NUMBER: _ClassVar[int]
+    COPY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     sender: str
     run_id: str
     iteration: int
@@ -201,7 +255,12 @@ class TensorHeader(_message.Message):
     compression: Compression
     transfer_id: int
     kind: str
-    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., transfer_id: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    mass: float
+    copy_epoch: int
+    copy_base: int
+    copy_version: int
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., transfer_id: _Optional[int] = ..., kind: _Optional[str] = ..., mass: _Optional[float] = ..., copy_epoch: _Optional[int] = ..., copy_base: _Optional[int] = ..., copy_version: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("data", "offset")

@@ -89,6 +89,11 @@ class PeerStub:
                 request_serializer=peerd_dot_v1_dot_peer__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peer__pb2.AdmitReply.FromString,
                 _registered_method=True)
+        self.Tunnel = channel.stream_stream(
+                '/peerd.v1.Peer/Tunnel',
+                request_serializer=peerd_dot_v1_dot_peer__pb2.TunnelFrame.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peer__pb2.TunnelFrame.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -161,6 +166,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tunnel(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +229,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.AdmitToRun,
                     request_deserializer=peerd_dot_v1_dot_peer__pb2.AdmitRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_peer__pb2.AdmitReply.SerializeToString,
+            ),
+            'Tunnel': grpc.stream_stream_rpc_method_handler(
+                    servicer.Tunnel,
+                    request_deserializer=peerd_dot_v1_dot_peer__pb2.TunnelFrame.FromString,
+                    response_serializer=peerd_dot_v1_dot_peer__pb2.TunnelFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +533,33 @@ class Peer:
             '/peerd.v1.Peer/AdmitToRun',
             peerd_dot_v1_dot_peer__pb2.AdmitRequest.SerializeToString,
             peerd_dot_v1_dot_peer__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tunnel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/peerd.v1.Peer/Tunnel',
+            peerd_dot_v1_dot_peer__pb2.TunnelFrame.SerializeToString,
+            peerd_dot_v1_dot_peer__pb2.TunnelFrame.FromString,
             options,
             channel_credentials,
             insecure,

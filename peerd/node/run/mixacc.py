@@ -19,6 +19,10 @@ keeps a running sum, from Publish(k) on, of the entries the policy would use if 
 
 Only float32/float64 layouts are summed this way (subtracting and rescaling in 16-bit floats
 would lose more than a direct weighted sum does); others take the direct path.
+
+The bookkeeping (which entries are in the sum, with what weight) is decided here, on the caller's
+thread; the arithmetic goes to `run` (the run's pass thread, peerd.node.run.passes), which runs
+it in order. Without `run`, the arithmetic runs at once (tests).
 """
 from __future__ import annotations
 
@@ -41,8 +45,9 @@ def summable(layout: Layout) -> bool:
 class MixAccumulator:
     """One running sum at a time, written into `out` (the slot the trainer's Mix(k) will read)."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, run: Callable[..., object] | None = None) -> None:
         self.layout = layout
+        self.run = run or (lambda fn, *args: fn(*args))
         self.k = -1
         self.out: torch.Tensor | None = None
         self.parts: dict[Key, float] = {}      # entries summed into out, with their weights
@@ -57,12 +62,7 @@ class MixAccumulator:
         self.k, self.out, self.parts = -1, None, {}
 
     def _add(self, buf: torch.Tensor, w: float) -> None:
-        first = not self.parts
-        for o, t in zip(self.layout.typed(self.out), self.layout.typed(buf)):
-            if first:
-                torch.mul(t, w, out=o)
-            else:
-                o.add_(t, alpha=w)
+        self.run(_add_into, self.layout, self.out, buf, w, not self.parts)
         self.passes += 1
 
     def sync(self, preview: Iterable[tuple[int, int, float]] | None, buffer_of: BufferOf) -> None:
@@ -118,10 +118,22 @@ class MixAccumulator:
                 self._add(buffer_of(*key), present[key] / total / scale)
                 self.parts[key] = present[key]
             if not math.isclose(scale, 1.0, rel_tol=1e-12):
-                for o in self.layout.typed(self.out):
-                    o.mul_(scale)
+                self.run(_scale, self.layout, self.out, scale)
                 self.passes += 1
             self.hits += 1
             return len(present)
         finally:
             self.stop()
+
+
+def _add_into(layout: Layout, out: torch.Tensor, buf: torch.Tensor, w: float, first: bool) -> None:
+    for o, t in zip(layout.typed(out), layout.typed(buf)):
+        if first:
+            torch.mul(t, w, out=o)
+        else:
+            o.add_(t, alpha=w)
+
+
+def _scale(layout: Layout, out: torch.Tensor, factor: float) -> None:
+    for o in layout.typed(out):
+        o.mul_(factor)

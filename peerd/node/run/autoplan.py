@@ -13,7 +13,7 @@ there is no agreement protocol for that yet. A re-plan that recommends something
 (warning) with both predictions, to apply at the next run.
 
 One plan per run: the run's first founder (rank 0 of `form_world`) plans on its view of the
-swarm and forms the run; the other founders wait for it (peerd.node.joining.place) and take its
+swarm and forms the run; the other founders wait for it (peerd.node.run.joining.place) and take its
 algorithm and topology from DescribeRun, as a late joiner does. Planning on every host's own view
 split runs near a tie (views are gossiped and nearly equal; a uniform LAN is all ties), and hosts
 whose choices differ derive different run tags and never mix. Only the planning host re-plans.
@@ -21,16 +21,15 @@ whose choices differ derive different run tags and never mix. Only the planning 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from peerd.config import Config
+from peerd.node.run.env import RunEnv
 from peerd.plan import model, sources
-
-if TYPE_CHECKING:
-    from peerd.node.daemon import Daemon
+from peerd.train.tasks import get_task
 
 log = logging.getLogger("peerd.plan")
 
@@ -65,7 +64,6 @@ def model_bytes_of(task: str, options: dict[str, str]) -> float:
         return float(options["model_bytes"])
     if task:
         try:
-            from peerd.train.tasks import get_task
             m = get_task(task).build(0)
             return float(sum(p.numel() * p.element_size() for p in m.parameters()))
         except Exception:  # noqa: BLE001 - a task we cannot build here: fall back to the default
@@ -73,11 +71,10 @@ def model_bytes_of(task: str, options: dict[str, str]) -> float:
     return float(DEFAULT_MODEL_BYTES)
 
 
-def gather(daemon: "Daemon", nodes: list[str], model_bytes: float, step_mean: float,
+def gather(env: RunEnv, nodes: list[str], model_bytes: float, step_mean: float,
            step_std: float) -> Inputs:
-    import time
-    cfg = daemon.cfg
-    matrix = daemon.link_matrix.to_dict(time.monotonic()) if daemon.link_matrix is not None else {"links": []}
+    cfg = env.cfg
+    matrix = env.link_matrix.to_dict(time.monotonic()) if env.link_matrix is not None else {"links": []}
     net, warnings = sources.network_from_links(matrix, nodes, cfg)
     return Inputs(net, model.Compute.of(len(nodes), step_mean, step_std), model_bytes, warnings)
 
@@ -85,7 +82,7 @@ def gather(daemon: "Daemon", nodes: list[str], model_bytes: float, step_mean: fl
 def decide(inp: Inputs, cfg: Config) -> tuple[model.Prediction, model.Prediction | None]:
     """(best, runner-up) among what `peerd train` runs; pure and slow-ish (run it off the loop)."""
     preds = model.plan(inp.net, inp.comp, inp.model_bytes, model.Options.from_config(cfg), overlap_off=False)
-    return model.recommend(preds, peerd_only=True, tie=cfg.plan_tie_fraction)
+    return model.recommend(preds, peerd_only=True, tie=cfg.plan.tie_fraction)
 
 
 def describe(p: model.Prediction | None) -> str:
@@ -105,13 +102,13 @@ class Replanner:
         self.recommended = running
 
     def due(self, now: float) -> bool:
-        return now - self.last_check >= self.cfg.plan_interval
+        return now - self.last_check >= self.cfg.plan.interval
 
     def check(self, now: float, current: Inputs) -> str | None:
         """Re-plan if the inputs moved; returns the log line when the recommendation differs from
         what runs (and logs it), else None."""
         self.last_check = now
-        why = self.last.moved(current, self.cfg.plan_change_fraction)
+        why = self.last.moved(current, self.cfg.plan.change_fraction)
         if why is None:
             return None
         self.last = current

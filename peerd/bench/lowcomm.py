@@ -1,0 +1,282 @@
+"""`peerd bench lowcomm`: the low-communication mode against today's algorithms on the two-sites lab
+with the 25M-parameter byte-level GPT (issue 29).
+
+Every contender trains the `gpt` task (model size small, 25.5M parameters, 101.7 MB in float32)
+from one shared warm start (`--init`) on the lab's hosts, with the same batch and the same paced
+step time (`--step-time`: every inner step takes that long whatever the load of this machine, the
+compute of a GPU emulated). Recorded per run: each host's evaluations (validation loss, nats per
+byte), the time until the hosts' mean validation loss first reaches the target, the final loss,
+the inner steps each host took, and the bytes each host's interface sent (TxSampler), so bytes per
+inner step. A contender is a name and its `peerd train` flags (CONTENDERS); `--straggler HOST`
+makes that host 2x slower in the straggler contenders.
+
+Every run is a record in OUT/results.jsonl; `table(records)` is the Markdown table of docs/bench.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from peerd.bench.scenarios import TxSampler, _prepare_lab, _py, _read_jsonl, _wait_all, code_version
+from peerd.config import Config
+from peerd.lab import lab, profile
+
+
+@dataclass
+class LowCommSettings:
+    init: str = ""                 # the shared warm start (a state_dict of the small model)
+    model_size: str = "small"
+    context: int = 128
+    batch_size: int = 2
+    eval_tokens: int = 2048
+    step_time: float = 2.5         # paced seconds per inner step (4 trainers share 2 cores here)
+    target: float = 2.60           # validation loss, nats per byte (3.75 bits)
+    steps: int = 60                # inner steps per host for the per-iteration contenders
+    inner_steps: int = 10          # H of the DiLoCo contenders (their rounds: steps / H)
+    eval_every: int = 5            # per-iteration contenders; DiLoCo evaluates at every sync
+    wall_limit: float = 900.0      # a run still short of its steps after this is stopped (and says so)
+    daemon_args: tuple[str, ...] = ()   # extra `peerd up` flags for the lab's daemons
+
+
+def contenders(st: LowCommSettings) -> dict[str, list[str]]:
+    """name -> `peerd train` flags. DiLoCo runs its syncs through d-psgd's policy: on `complete`
+    that is the all-hosts average (DiLoCo as published), on `ring` gossip with the neighbours."""
+    rounds = max(1, st.steps // st.inner_steps)
+    plain = ["--iterations", str(st.steps), "--eval-every", str(st.eval_every)]
+    diloco = ["--outer", "diloco", "--iterations", str(rounds), "--eval-every", "1"]
+    fixed = [*diloco, "--inner-steps", str(st.inner_steps)]
+    budget = [*diloco, "--round-seconds", f"{st.inner_steps * st.step_time:g}"]
+    return {
+        # today's algorithms on their best topology for two-sites (`peerd plan --profile two-sites`)
+        "netmax": ["--algo", "netmax", "--topology", "ring", *plain],
+        "ad-psgd": ["--algo", "ad-psgd", "--topology", "ring", *plain],
+        "d-psgd": ["--algo", "d-psgd", "--topology", "aer", *plain],
+        "diloco-all": ["--algo", "d-psgd", "--topology", "complete", *fixed],
+        "diloco-all-int8": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--compress", "int8"],
+        "diloco-ring-int8": ["--algo", "d-psgd", "--topology", "ring", *fixed, "--compress", "int8"],
+        # the outer step as plain averaging (outer lr 1, no momentum): local SGD every H steps
+        "avg-all-int8": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--compress", "int8",
+                         "--outer-lr", "1.0", "--outer-momentum", "0"],
+        "avg-ring-int8": ["--algo", "d-psgd", "--topology", "ring", *fixed, "--compress", "int8",
+                          "--outer-lr", "1.0", "--outer-momentum", "0"],
+        "straggler-fixed-h": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--compress", "int8"],
+        "straggler-budget": ["--algo", "d-psgd", "--topology", "complete", *budget, "--compress", "int8"],
+    }
+
+
+def evals(records: list[dict]) -> list[tuple[float, float]]:
+    """(time, validation loss) of one host's evaluations, in order."""
+    return [(r["t"], r["metric"]) for r in records
+            if r.get("metric_name") == "loss" and r.get("metric", 0) > 0 and r.get("state") in ("training", "done")]
+
+
+def time_to_target(per_host: dict[str, list[tuple[float, float]]], target: float, t0: float) -> float | None:
+    """Seconds from t0 until the mean of every host's latest validation loss is at most `target`."""
+    events = sorted((t, h, v) for h, pts in per_host.items() for t, v in pts)
+    latest: dict[str, float] = {}
+    for t, h, v in events:
+        latest[h] = v
+        if len(latest) == len(per_host) and statistics.fmean(latest.values()) <= target:
+            return t - t0
+    return None
+
+
+def idle_rates(lb: lab.Lab, cfg: Config, seconds: float = 20.0) -> dict[str, float]:
+    """Bytes per second each host sends with no run (heartbeats, gossip, link probes): what a
+    run's interface count holds besides the run's own traffic."""
+    with TxSampler(lb, cfg.bench.tx_interval) as tx:
+        t0 = time.time()
+        time.sleep(seconds)
+        t1 = time.time()
+    return {h: tx.between(h, t0, t1) / (t1 - t0) for h in lb.hosts}
+
+
+def run_one(lb: lab.Lab, name: str, flags: list[str], st: LowCommSettings, seed: int, run_dir: Path,
+            straggler: str, cfg: Config, echo: Callable[[str], None]) -> dict[str, Any]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    idle = idle_rates(lb, cfg)
+    procs, progress = [], {}
+    common = ["--task", "gpt", "--model-size", st.model_size, "--context", str(st.context),
+              "--batch-size", str(st.batch_size), "--eval-tokens", str(st.eval_tokens), "--init", st.init,
+              "--step-time", f"{st.step_time:g}", "--world", str(len(lb.hosts)), "--seed", str(seed),
+              "--json", "--trace", "--join-timeout", str(cfg.bench.swarm_timeout)]
+    t_start = time.time()
+    with TxSampler(lb, cfg.bench.tx_interval) as tx:
+        for h in lb.hosts:
+            slow = "2" if name.startswith("straggler") and h == straggler else "1"
+            progress[h] = run_dir / f"{h}.progress.jsonl"
+            with open(progress[h], "w") as fh:
+                procs.append(lb.popen(h, _py("-m", "cli.main", "train", *common, *flags, "--slowdown", slow),
+                                      stdout=fh, stderr=subprocess.STDOUT, text=True))
+
+        def watch() -> str:
+            parts = []
+            for h in lb.hosts:
+                recs = [r for r in _read_jsonl(progress[h]) if "iteration" in r]
+                last = recs[-1] if recs else {}
+                ev = evals(recs)
+                parts.append(f"{h}:{last.get('iteration', '-')}" + (f"({ev[-1][1]:.3f})" if ev else ""))
+            return " ".join(parts)
+        error = None
+        try:
+            _wait_all(procs, st.wall_limit, f"lowcomm/{name}/seed {seed}", watch, echo, every=30.0)
+        except RuntimeError as e:
+            error = str(e)
+        t_end = time.time()
+    recs = {h: [r for r in _read_jsonl(progress[h]) if "iteration" in r] for h in lb.hosts}
+    training = {h: [r for r in rs if r.get("state") == "training"] for h, rs in recs.items()}
+    t0 = min((rs[0]["t"] for rs in training.values() if rs), default=t_start)
+    per_host = {h: evals(rs) for h, rs in recs.items()}
+    steps = {h: _inner_steps(lb, h, t0) for h in lb.hosts}
+    # the run's own bytes: the interface's count less what the host sends when idle
+    sent = {h: max(0, round(tx.between(h, t0, t_end) - idle[h] * (t_end - t0))) for h in lb.hosts}
+    finals = [pts[-1][1] for pts in per_host.values() if pts]
+    ttt = time_to_target(per_host, st.target, t0)
+    rec = {"contender": name, "seed": seed, "flags": flags, "settings": asdict(st), "hosts": lb.hosts,
+           "straggler": straggler if name.startswith("straggler") else None,
+           "time_to_target_s": None if ttt is None else round(ttt, 1), "target": st.target,
+           "final_loss": round(statistics.fmean(finals), 4) if finals else None,
+           "final_loss_per_host": {h: round(p[-1][1], 4) for h, p in per_host.items() if p},
+           "evals": {h: [(round(t - t0, 1), round(v, 4)) for t, v in p] for h, p in per_host.items()},
+           "wall_s": round(t_end - t0, 1), "inner_steps": steps, "bytes_sent": sent,
+           "idle_bytes_per_s": {h: round(v) for h, v in idle.items()},
+           "bytes_per_inner_step": {h: round(sent[h] / steps[h]) if steps[h] else None for h in lb.hosts},
+           "load_avg": os.getloadavg()[0], "error": error, "code": code_version()}
+    return rec
+
+
+def _inner_steps(lb: lab.Lab, host: str, since: float) -> int:
+    """Inner steps the host's trainer took in this run (its trace: one line per step)."""
+    root = Path(lb.state["hosts"][host]["data_dir"]) / "checkpoints"
+    traces = sorted(root.glob("*/trace.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return 0
+    return sum(1 for line in traces[-1].read_text().splitlines() if line.startswith("{")
+               and json.loads(line).get("start", 0) >= since - 60)
+
+
+def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler: str = "h1",
+        profile_name: str = "two-sites", cfg: Config | None = None,
+        echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    # the lab's settle and quiet waits shorter than the scenarios': each run's idle traffic is
+    # measured and subtracted instead (idle_rates)
+    cfg = cfg or Config().replace(bench_settle_timeout=150.0, bench_quiet_timeout=60.0)
+    known = contenders(st)
+    unknown = [n for n in names if n not in known and n != "ddp-reference"]
+    if unknown:
+        raise ValueError(f"unknown contender(s) {unknown}; known: {', '.join(known)}")
+    if not st.init or not Path(st.init).is_file():
+        raise ValueError(f"--init {st.init!r}: the shared warm start file is missing (docs/real-size.md says how "
+                         "to make one)")
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done = {(r["contender"], r["seed"]) for r in _read_jsonl(results)}
+    prof = profile.load(profile_name)
+    records = []
+    if "ddp-reference" in names and ("ddp-reference", 0) not in done:
+        echo("[ddp-reference] DDP's loss per step, in one process (its time: `peerd plan`)")
+        records.append(ddp_reference(st, len(prof.hosts), st.steps, echo=echo))
+        with open(results, "a") as fh:
+            fh.write(json.dumps(records[-1]) + "\n")
+    names = [n for n in names if n != "ddp-reference"]
+    lab_dir = out / "lab"
+    if lab_dir.exists():
+        lab.down(lab_dir, cfg, purge=True)
+    echo(f"== lab {profile_name} ({len(prof.hosts)} hosts): starting")
+    lab.up(prof, lab_dir, cfg, daemon_args=("--heartbeat-interval", "0.5", *st.daemon_args))
+    try:
+        lb = lab.Lab(lab_dir)
+        _prepare_lab(lb, prof, cfg, echo, out / "hosts.json")
+        for seed in range(seeds):
+            for name in names:
+                if (name, seed) in done:
+                    continue
+                echo(f"[{name} / seed {seed}] {' '.join(known[name])}")
+                rec = run_one(lb, name, known[name], st, seed, out / name / f"seed{seed}", straggler, cfg, echo)
+                records.append(rec)
+                with open(results, "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                echo(f"    target {st.target} {'after %.0fs' % rec['time_to_target_s'] if rec['time_to_target_s'] else 'not reached'}"
+                     f", final loss {rec['final_loss']}, wall {rec['wall_s']}s, bytes/inner step "
+                     f"{statistics.fmean(v for v in rec['bytes_per_inner_step'].values() if v) / 1e6:.2f} MB"
+                     + (f"; ERROR {rec['error']}" if rec["error"] else ""))
+                for h in lb.hosts:
+                    shutil.rmtree(Path(lb.state["hosts"][h]["data_dir"]) / "checkpoints", ignore_errors=True)
+    finally:
+        lab.down(lab_dir, cfg, purge=False)
+    return records
+
+
+def retarget(rec: dict[str, Any], target: float) -> float | None:
+    """A run's time to another target, from its recorded evaluations."""
+    per_host = {h: [tuple(p) for p in pts] for h, pts in rec.get("evals", {}).items()}
+    return time_to_target(per_host, target, 0.0) if per_host else None
+
+
+def table(records: list[dict[str, Any]], target: float | None = None) -> str:
+    """Markdown: one row per contender (median over seeds where there are several); with
+    `target`, times to that validation loss instead of the one the runs were made with."""
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        if r["contender"] == "ddp-reference":
+            continue
+        if target is not None:
+            ttt = retarget(r, target)
+            r = {**r, "time_to_target_s": None if ttt is None else round(ttt, 1)}
+        by.setdefault(r["contender"], []).append(r)
+    lines = ["| contender | seeds | time to target (s) | final val loss (nats/byte) | wall (s) | inner steps/host "
+             "| MB sent/host/inner step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, rs in by.items():
+        ttts = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
+        ttt = f"{statistics.median(ttts):.0f}" + ("" if len(ttts) == len(rs) else f" ({len(ttts)}/{len(rs)} reached)") \
+            if ttts else f"not within {statistics.median(r['wall_s'] for r in rs):.0f}"
+        finals = [r["final_loss"] for r in rs if r["final_loss"] is not None]
+        steps = [statistics.fmean(r["inner_steps"].values()) for r in rs]
+        bps = [statistics.fmean(v for v in r["bytes_per_inner_step"].values() if v) for r in rs
+               if any(r["bytes_per_inner_step"].values())]
+        lines.append(f"| {name} | {len(rs)} | {ttt} | {statistics.median(finals):.4f} | "
+                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | {statistics.median(steps):.0f} | "
+                     f"{statistics.median(bps) / 1e6:.3f} |" if finals and bps else f"| {name} | {len(rs)} | "
+                     f"{ttt} | - | - | - | - |")
+    return "\n".join(lines)
+
+
+def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
+                  echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """DDP's loss at the same gradient steps per host, computed in one process: DDP over `world`
+    hosts with batch b each is, step for step, one model trained with batch world x b on the
+    average of their gradients (here: on world x b windows of the whole corpus, which DDP's
+    shards together cover). Its time is the runtime model's (`peerd plan`), not measured."""
+    import torch
+
+    from peerd.train.tasks import get_task
+    from peerd.train.worker import load_init
+
+    torch.manual_seed(seed)
+    task = get_task("gpt", model_size=st.model_size, context=st.context, eval_tokens=st.eval_tokens)
+    model = task.build(seed)
+    load_init(model, st.init)
+    d = task.defaults
+    opt = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=d.get("betas", (0.9, 0.999)),
+                            weight_decay=d.get("weight_decay", 0.0))
+    batches = task.batches(task.shard(0, 1, False, seed), world * st.batch_size, seed)
+    evals_ = [(0, task.evaluate(model)["loss"])]
+    t0 = time.monotonic()
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        task.loss(model, next(batches)).backward()
+        opt.step()
+        if step % st.eval_every == 0 or step == steps:
+            evals_.append((step, task.evaluate(model)["loss"]))
+            echo(f"    ddp reference: step {step}, validation loss {evals_[-1][1]:.4f} "
+                 f"({time.monotonic() - t0:.0f}s)")
+    return {"contender": "ddp-reference", "seed": seed, "world": world, "batch_per_host": st.batch_size,
+            "steps": steps, "evals": evals_, "final_loss": round(evals_[-1][1], 4),
+            "first_step_at_target": next((s for s, v in evals_ if v <= st.target), None)}

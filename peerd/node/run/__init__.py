@@ -1,0 +1,1 @@
+"""A training run inside the daemon, in pieces with one job each (peerd.node.run.run lists them)."""

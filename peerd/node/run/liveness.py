@@ -1,0 +1,241 @@
+"""Which neighbours the run waits for: membership turned into run events, absent trainers, silence.
+
+- Peers the failure detector marks dead (or that leave) are PeerDown for the policy, so no policy
+  waits on a dead peer. A peer that comes back is PeerUp only once its run is back too (its first
+  update or pull for this run reaches us, tagged with its iteration): a host whose daemon is up but
+  whose trainer is still starting is not waited on. Our newest update is pushed to a returning
+  peer (outside the policy), so that two sides of a healed partition, each holding the other
+  dead, re-admit each other.
+- A live daemon whose trainer does not contribute is "absent", also PeerDown: its daemon announces
+  a crashed trainer (ABSENT) and a finished one (FINISHED) at once. Without a notice (a hung
+  trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout` (plus two of our
+  own iterations, and its update's transfer allowance, peerd.node.run.bounds) is absent until its
+  next update. So no host
+  waits on a silent neighbour longer than that bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from peerd.net.dataplane import Received
+from peerd.node.run.bounds import transfer_bound
+from peerd.node.run.context import RunContext
+from peerd.node.run.outbound import Outbound
+from peerd.node.run.snapshots import Snapshots
+from peerd.sync import events as ev
+from peerd.v1 import peer_pb2 as pb
+
+log = logging.getLogger("peerd.train")
+
+# A neighbour from whom bytes of an update arrived this recently is sending, however long its
+# update takes (4 x the data plane's ACTIVITY_EVERY: a stalled stream stops counting within it).
+ARRIVING_WINDOW = 2.0
+
+
+class PeerLiveness:
+    def __init__(self, ctx: RunContext, feed: Callable[[ev.Event], None], outbound: Outbound,
+                 snapshots: Snapshots, is_waiting: Callable[[int], bool], model_bytes: Callable[[], int]) -> None:
+        self.ctx = ctx
+        self.feed = feed
+        self.outbound = outbound
+        self.snapshots = snapshots
+        self.is_waiting = is_waiting          # the trainer still waits for mix k
+        self.model_bytes = model_bytes
+        self.absent: dict[int, str] = {}      # neighbours not contributing: "restarting", "finished", "silent"
+        self.absent_at: dict[int, int] = {}   # a "restarting" notice's iteration: older updates were sent before it
+        self.returning: set[str] = set()      # peers back in membership, not yet back in this run
+        self.readmitted: dict[int, int] = {}  # re-admitted at this iteration, until its next update
+        self.resync: dict[int, int] = {}      # after our restart: neighbours' iterations, applied at publish
+        self._silent_timer: asyncio.TimerHandle | None = None
+        self._silent_since = 0.0              # when the wait the silent timer bounds began (or its last check)
+        self._waited_since: dict[int, float] = {}   # per neighbour waited on: since when
+        self._last_publish = 0.0
+        self._bytes_at: dict[int, float] = {}  # when bytes of an update from each neighbour last arrived
+        self._iteration_s = 0.0               # seconds between our last two publishes
+
+    # --- membership -------------------------------------------------------------------------------
+    def peer_down(self, node_id: str) -> None:
+        src = self.ctx.rank_of(node_id)
+        if src < 0 or src == self.ctx.rank:
+            return
+        if self.absent.get(src) != "finished":
+            self.absent.pop(src, None)   # the failure detector's word supersedes a notice
+        self.outbound.reset(src)
+        self.readmitted.pop(src, None)
+        self.feed(ev.PeerDown(src))
+
+    def peer_up(self, node_id: str) -> None:
+        """Not yet: the peer's daemon is back, its run may not be. Our newest update goes to it at
+        once (after a healed partition each side holds the other dead and sends it nothing)."""
+        src = self.ctx.rank_of(node_id)
+        if src < 0 or src == self.ctx.rank:
+            return
+        self.returning.add(node_id)
+        if self.snapshots.live_k >= 0:
+            self.outbound.send(ev.Send(src, ev.CURRENT))   # our newest, as soon as it is held
+
+    def back_in_run(self, node_id: str, k: int) -> None:
+        """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
+        if node_id in self.returning:
+            self.returning.discard(node_id)
+            log.info("peer %s is back in the run at iteration %d", node_id, k)
+            self.feed(ev.PeerUp(self.ctx.rank_of(node_id), max(k, 0)))
+
+    def check_readmission(self, src: int, rec: Received) -> None:
+        """Re-admit a returning peer at its update's iteration, and check that iteration against
+        the next update: a push cut off by a partition may reach us after the heal (TCP delivers
+        what was in flight once the path is back, though its sender gave up on it), so the first
+        update of a returning peer can be one from before the cut. Re-admitted at that old
+        iteration, Hop's token edge would hold us until the peer "caught up" to where it already
+        is; a jump past it in the next update re-admits the peer where it really is."""
+        if rec.sender in self.returning:
+            self.back_in_run(rec.sender, rec.iteration)
+            self.readmitted[src] = rec.iteration
+        elif (k0 := self.readmitted.pop(src, None)) is not None and rec.iteration > k0 + 1:
+            log.info("peer %s re-admitted at iteration %d by a stale update; it is at %d", rec.sender, k0,
+                     rec.iteration)
+            self.feed(ev.PeerUp(src, rec.iteration))
+
+    # --- absent trainers --------------------------------------------------------------------------
+    def set_absent(self, src: int, why: str) -> None:
+        if src == self.ctx.rank or self.absent.get(src) == why:
+            return
+        was = src in self.absent or src in self.ctx.policy.dead
+        self.absent[src] = why
+        log.info("neighbour %s is %s: not waited for", self.ctx.nodes[src], why)
+        if not was:
+            self.feed(ev.PeerDown(src))
+
+    def heard_from(self, src: int, k: int) -> None:
+        """An update of iteration k came from `src`: an absent (restarting or silent) neighbour
+        contributes again."""
+        why = self.absent.get(src)
+        if why not in ("restarting", "silent"):
+            return
+        if why == "restarting" and k <= self.absent_at.get(src, -1):
+            return   # sent before its notice, overtaken by it on another stream: not back yet
+        del self.absent[src]
+        node = self.ctx.nodes[src]
+        log.info("neighbour %s contributes again from iteration %d", node, k)
+        # A peer also back in membership is re-admitted once, by back_in_run.
+        if self.ctx.env.alive(node) and node not in self.returning:
+            self.feed(ev.PeerUp(src, k))
+
+    def on_notice(self, sender: str, state: int, k: int) -> None:
+        """A neighbour's trainer stopped (at its iteration k), resumes or finished."""
+        src = self.ctx.rank_of(sender)
+        if src < 0 or src == self.ctx.rank:
+            return
+        if state == pb.TrainerNotice.STATE_ABSENT:
+            self.absent_at[src] = k
+            self.set_absent(src, "restarting")
+        elif state == pb.TrainerNotice.STATE_RESUMING:
+            self.absent_at.pop(src, None)   # it may resume from a checkpoint older than k
+        elif state == pb.TrainerNotice.STATE_FINISHED:
+            self.set_absent(src, "finished")
+
+    def why_missing(self, src: int) -> str:
+        """Why neighbour `src` is not in a mix: its absence ("restarting", "finished", "silent"),
+        "dead" (membership), "flagged" (bad updates), else "not waited" (the policy's choice)."""
+        node = self.ctx.nodes[src]
+        if src in self.absent:
+            return self.absent[src]
+        if not self.ctx.env.alive(node):
+            return "dead"
+        if self.ctx.env.offences.flagged_for(node):
+            return "flagged"
+        return "not waited"
+
+    def all_gone(self) -> bool:
+        """Every other host of the run finished or is not alive."""
+        return all(self.absent.get(i) == "finished" or not self.ctx.env.alive(self.ctx.nodes[i])
+                   for i in self.ctx.others())
+
+    def resynced(self) -> dict[int, int]:
+        """After a restart: the neighbours' iterations, to feed as PeerUp at our first publish."""
+        resync, self.resync = self.resync, {}
+        return resync
+
+    # --- silence ----------------------------------------------------------------------------------
+    def update_arriving(self, node: str) -> None:
+        """Bytes of an update from `node` are arriving (the data plane says so every ACTIVITY_EVERY s)."""
+        src = self.ctx.rank_of(node)
+        if src >= 0:
+            self._bytes_at[src] = time.monotonic()
+
+    def still_arriving(self, src: int, waited: float, now: float) -> bool:
+        """An update from `src` streams in right now: it is slow, not silent. Waited on for at
+        most three quarters of the trainer's own mix bound (the trainer must not time out first)."""
+        recent = now - self._bytes_at.get(src, -1e18) <= ARRIVING_WINDOW
+        return recent and waited < 0.75 * (self.ctx.cfg.train.mix_timeout + self.iteration_allowance())
+
+    def published(self) -> None:
+        """Our trainer published: the time between publishes is this run's iteration (a DiLoCo
+        round of many inner steps may last minutes)."""
+        now = time.monotonic()
+        if self._last_publish:
+            self._iteration_s = now - self._last_publish
+        self._last_publish = now
+
+    def iteration_allowance(self) -> float:
+        """Two of our own iterations: a neighbour whose iterations last as long as ours is slow, not
+        silent (added to the silent bound and to train_mix_timeout)."""
+        return 2 * self._iteration_s
+
+    def silent_bound(self) -> float:
+        return self.ctx.cfg.train.silent_peer_timeout + self.iteration_allowance()
+
+    def arm_silent(self, k: int, after: float | None = None) -> None:
+        """Check mix k's waits after `after` seconds; None: a fresh wait, the base bound from now."""
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+        if after is None:
+            self._silent_since = time.monotonic()
+            self._waited_since = {}
+            after = self.silent_bound()
+        self._silent_timer = asyncio.get_running_loop().call_later(after, self._silent_check, k)
+
+    def disarm_silent(self) -> None:
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
+
+    def _silent_check(self, k: int) -> None:
+        """Mix k has waited `train_silent_peer_timeout`: stop waiting for the peers it waits on whose
+        transfer allowance is spent too; check the others again when theirs is."""
+        self._silent_timer = None
+        if not self.is_waiting(k):
+            return
+        policy = self.ctx.policy
+        if policy.waiting.reason == "pull":
+            # A pull's wait has its own, shorter bound (train_pull_timeout -> PullFailed), which
+            # does not exclude the peer for good: pull policies get no unasked-for updates that
+            # would ever mark a "silent" peer present again.
+            self.arm_silent(k)
+            return
+        now = time.monotonic()
+        base = self.silent_bound()
+        left = []
+        for src in list(policy.waiting.on):
+            # Waited on since this wait began, or since the last check for one the policy took up later.
+            waited = now - self._waited_since.setdefault(src, self._silent_since)
+            remaining = transfer_bound(self.ctx.env, base, self.model_bytes(), self.ctx.nodes[src]) - waited
+            if remaining > 1e-3:
+                left.append(remaining)       # its update may still be on the way over a slow link
+                continue
+            if self.still_arriving(src, waited, now):
+                left.append(ARRIVING_WINDOW)  # its bytes are coming in: check again shortly
+                continue
+            log.warning("no update from %s for %.1fs at iteration %d: not waited for until it sends one",
+                        self.ctx.nodes[src], waited, k)
+            self.set_absent(src, "silent")
+        self._silent_since = now
+        if not self.is_waiting(k):
+            return
+        if left:
+            self.arm_silent(k, after=min(left))
+        else:   # still waiting (on someone else now): check again after the bound
+            self.arm_silent(k)

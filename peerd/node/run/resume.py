@@ -1,0 +1,155 @@
+"""Where a trainer starts: its own checkpoint, a live neighbour's parameters, or the run's iteration.
+
+- Joining a running swarm (a restarted daemon or a new host; the run's tag never changes): at the
+  first attach, before the trainer's first publish, the daemon pulls a live neighbour's current
+  parameters (answered from its published snapshot, never behind its mixing). When they are more
+  than `train_join_min_lead` iterations ahead of this host's own checkpoint (same run, kept in the
+  data dir), the trainer starts from them at the neighbour's iteration; otherwise it resumes from
+  its own checkpoint. Either way the reason is logged and shown in the progress message.
+- A restarted trainer resumes at the run's iteration, not its own: the daemon asks the live
+  neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
+  resets its token edges as a PeerUp from each at its first publish (PeerLiveness.resync).
+  Resuming where it crashed would hold the neighbours that ran on at Hop's gap bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+import torch
+
+from peerd.net.dataplane import TransferError
+from peerd.node.run.context import RunContext
+from peerd.node.run.liveness import PeerLiveness
+from peerd.node.run.mixer import Mixer
+from peerd.train.flat import all_finite
+from peerd.v1 import control_pb2 as cpb
+from peerd.v1 import peer_pb2 as pb
+
+log = logging.getLogger("peerd.train")
+
+
+def checkpoint_iteration(directory: Path) -> int:
+    """The iteration of the checkpoint in `directory` (-1: none or unreadable)."""
+    path = directory / "latest.pt"
+    if not path.is_file():
+        return -1
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint is as good as none
+        log.warning("checkpoint %s unreadable (%s); ignored", path, e)
+        return -1
+
+
+def checkpoint_dir(ctx: RunContext) -> Path:
+    """This run's checkpoint directory: an unfinished one of the same run (same tag) left in the
+    data dir by an earlier daemon of this host, else a new one."""
+    root = ctx.env.data_dir / "checkpoints"
+    run_id = ctx.cfg.node.run_id
+    for old in sorted(root.glob(f"{run_id}-*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if (old / "run-tag").is_file() and (old / "run-tag").read_text().strip() == ctx.tag:
+            if 0 <= checkpoint_iteration(old) < ctx.spec.iterations:
+                return old
+    new = root / f"{run_id}-{ctx.session}"
+    new.mkdir(parents=True, exist_ok=True)
+    (new / "run-tag").write_text(ctx.tag + "\n")
+    return new
+
+
+class Resume:
+    def __init__(self, ctx: RunContext, mixer: Mixer, liveness: PeerLiveness) -> None:
+        self.ctx = ctx
+        self.mixer = mixer
+        self.liveness = liveness
+        self.checkpoint_dir = checkpoint_dir(ctx)
+        self.join_note = ""
+
+    async def join_swarm(self, reply: cpb.AttachReply) -> tuple[cpb.AttachReply, str]:
+        """At the first attach: start from a live neighbour's parameters when the swarm is ahead of
+        what this host holds. A calm start costs one pull answered NOT_FOUND or near iteration 0.
+        Returns the reply and the note ("" when nothing was decided)."""
+        ctx, env = self.ctx, self.ctx.env
+        if ctx.policy.k >= 0 or self.join_note:
+            return reply, ""                 # a restarted trainer of a run already under way here
+        cfg = ctx.cfg.train
+        own = checkpoint_iteration(self.checkpoint_dir)
+        layout = self.mixer.layout
+        for node in self._candidates():
+            member = env.membership.get(node)
+            if member is None:
+                continue
+            try:
+                rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=ctx.kind("model")),
+                                             cfg.join_pull_timeout)
+            except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                log.info("join: no parameters from %s (%s)", node, getattr(e, "code", type(e).__name__))
+                continue
+            try:
+                k = rec.iteration
+                if k <= max(own, 0) + cfg.join_min_lead:
+                    if own < 0:
+                        return reply, ""     # a calm start: everyone is at the beginning
+                    note = (f"resumed from own checkpoint of iteration {own}: {node} is at {k}, "
+                            f"not more than {cfg.join_min_lead} ahead")
+                elif rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
+                    log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
+                    continue
+                else:
+                    await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
+                    reply.start_iteration, reply.start_from_slot = k, True
+                    note = (f"started from {node}'s parameters of iteration {k}: "
+                            + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
+            finally:
+                rec.release()
+            break
+        else:
+            return reply, ""                 # nobody has parameters yet: a calm start
+        self.join_note = reply.join_note = note
+        # Members with nothing published in this run (their trainer is starting too: several hosts
+        # restarted together) are absent until their first update, not waited on for
+        # train_silent_peer_timeout at our first mixes. Not under a pull policy: it gets no update
+        # it did not ask for, and it would never ask an absent member, so it would leave that
+        # member out for the whole run (a pull of a trainer still starting fails within its bound).
+        if not ctx.policy.pulls:
+            for i, k in (await self.member_iterations()).items():
+                if k < 0:
+                    self.liveness.set_absent(i, "restarting")
+        log.info("join: %s", note)
+        return reply, note
+
+    def _candidates(self) -> list[str]:
+        """Live run members, nearest rank first (a ring neighbour is freshest)."""
+        ctx = self.ctx
+        live = [m for m in ctx.nodes if m and m != ctx.env.node_id and ctx.env.alive(m, suspect=False)]
+        return sorted(live, key=lambda m: min((ctx.rank_of(m) - ctx.rank) % ctx.n,
+                                              (ctx.rank - ctx.rank_of(m)) % ctx.n))
+
+    async def member_iterations(self, quiet: bool = False, every: bool = False) -> dict[int, int]:
+        """Every other member's iteration in this run, asked with a RESUMING notice (bounded by
+        rpc_timeout); -1 where its trainer has published nothing in this run, or it did not answer.
+        Members the policy holds dead or absent are not asked unless `every`."""
+        ctx = self.ctx
+
+        async def ask(i: int) -> tuple[int, int]:
+            m = ctx.member(i)
+            if m is None or (i in ctx.policy.dead and not every):
+                return i, -1
+            try:
+                return i, await ctx.env.peers.notice_trainer(m.address, ctx.tag, pb.TrainerNotice.STATE_RESUMING,
+                                                             ctx.policy.k)
+            except grpc.aio.AioRpcError as e:
+                log.log(logging.DEBUG if quiet else logging.INFO, "%s did not answer: %s", ctx.nodes[i],
+                        e.code().name)
+                return i, -1
+        return dict(await asyncio.gather(*(ask(i) for i in ctx.others())))
+
+    async def resume_point(self) -> int:
+        """The lowest iteration of the live neighbours; they are re-synchronised as PeerUp at our
+        first publish."""
+        self.liveness.resync = {i: k for i, k in (await self.member_iterations()).items() if k >= 0}
+        start = min(self.liveness.resync.values(), default=-1)
+        log.info("trainer restarted: resuming at iteration %d (own %d, neighbours %s)",
+                 max(start, self.ctx.policy.k + 1), self.ctx.policy.k, self.liveness.resync)
+        return start

@@ -1,0 +1,142 @@
+"""The trainer process: started with spawn/exec (never fork), restarted from its last checkpoint
+when it crashes (without leaving the swarm), stopped in order when the run ends."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from peerd.node.run.context import RunContext
+from peerd.node.run.outbound import Outbound
+from peerd.node.run.progress import MixLedger, Progress
+from peerd.node.run.trainer_api import TrainerApi
+from peerd.v1 import peer_pb2 as pb
+
+log = logging.getLogger("peerd.train")
+
+# `peerd train` options the built-in trainer takes as its own flags (--key-name VALUE)
+WORKER_OPTIONS = ("lr", "momentum", "optimizer", "batch_size", "accum_iter", "step_time", "slow_prob", "slow_factor",
+                  "model_size", "context", "eval_tokens", "device", "init",
+                  "outer", "inner_steps", "round_seconds", "fragments", "overlap", "outer_lr", "outer_momentum")
+
+
+class TrainerSupervisor:
+    def __init__(self, ctx: RunContext, api: TrainerApi, outbound: Outbound, progress: Progress,
+                 changed: asyncio.Event, done: asyncio.Event, checkpoint_dir: Path,
+                 fail: Callable[[str], None], ledger: MixLedger) -> None:
+        self.ctx = ctx
+        self.api = api
+        self.outbound = outbound
+        self.progress = progress
+        self.changed = changed
+        self.done = done
+        self.checkpoint_dir = checkpoint_dir
+        self.fail = fail
+        self.ledger = ledger
+        self.process: subprocess.Popen | None = None
+
+    def argv(self) -> list[str]:
+        s = self.ctx.spec
+        if s.script:
+            return [sys.executable, *s.script]
+        cap = s.iterations * s.world if s.swarm_budget else s.iterations
+        argv = [sys.executable, "-m", "peerd.train.worker", "--task", s.task, "--iterations", str(cap),
+                "--seed", str(s.seed), "--eval-every", str(s.eval_every)]
+        if s.non_iid:
+            argv.append("--non-iid")
+        for key in WORKER_OPTIONS:
+            if key in s.options:
+                argv += [f"--{key.replace('_', '-')}", s.options[key]]
+        if s.options.get("trace") == "true":
+            argv.append("--trace")
+        return argv
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        rank, world = self.ctx.data_shard()
+        cfg = self.ctx.cfg
+        env.update(PEERD_CONTROL_SOCKET=str(cfg.control_socket), PEERD_SESSION=self.ctx.session,
+                   PEERD_RANK=str(rank), PEERD_WORLD=str(world), PEERD_SLOWDOWN=str(self.ctx.spec.slowdown),
+                   PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=cfg.node.run_id,
+                   PEERD_PAUSE_TIMEOUT=str(cfg.train.pause_timeout),
+                   PEERD_CHECKPOINT_EVERY=str(cfg.train.checkpoint_every))
+        return env
+
+    async def supervise(self) -> None:
+        """Run the trainer to completion, restarting it from its checkpoint when it crashes."""
+        p, cfg = self.progress, self.ctx.cfg.train
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        p.state = "training"
+        self.changed.set()
+        while True:
+            log_path = self.ctx.env.data_dir / f"trainer-{self.ctx.session}.log"
+            with open(log_path, "ab") as logf:
+                # subprocess uses vfork+exec: no fork handlers run in a child of a process whose
+                # gRPC threads are busy (a plain fork there can crash or hang the child).
+                if p.state == "stopping":
+                    break  # stop() came while we waited: never start a trainer nobody will stop
+                # Its own process group: Ctrl+C at the daemon's terminal reaches the daemon only,
+                # which stops the trainer in order (a trainer killed first looked like a crash).
+                self.process = subprocess.Popen(self.argv(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, process_group=0)
+                log.info("trainer pid %d started (rank %d of %d, %s, %s); log %s", self.process.pid,
+                         self.ctx.rank, self.ctx.n, self.ctx.spec.algorithm,
+                         self.ctx.spec.task or " ".join(self.ctx.spec.script), log_path)
+                code = await asyncio.to_thread(self.process.wait)
+            if code == 0:
+                self._finished()
+                break
+            if p.state == "stopping":
+                break
+            if self.api.stop_requested:   # it was told to stop: a restart would train on, unasked
+                self.fail(f"trainer exited {code} after the stop directive (not restarted); see {log_path}")
+                self.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
+                break
+            self.outbound.announce(pb.TrainerNotice.STATE_ABSENT)
+            p.restarts += 1
+            if p.restarts > cfg.max_restarts:
+                self.fail(f"trainer exited {code} and was restarted {p.restarts - 1} times; see {log_path}")
+                break
+            p.state = "restarting"
+            p.message = f"trainer exited {code}; restarting from its last checkpoint"
+            log.warning("trainer exited %d; restarting from checkpoint (%d)", code, p.restarts)
+            self.changed.set()
+            await asyncio.sleep(cfg.restart_delay)
+            if p.state == "stopping":
+                break
+            p.state = "training"
+        self.done.set()
+        self.changed.set()
+
+    def _finished(self) -> None:
+        """The trainer exited 0: done, or degraded when most of its mixes left out a neighbour."""
+        p, ledger = self.progress, self.ledger
+        p.state = "done"
+        p.message = (self.api.stop_reason or "trainer stopped by a directive") if self.api.stop_requested \
+            else "trainer finished"
+        if ledger.mostly_partial(self.ctx.cfg.train.degraded_share):
+            p.state = "degraded"
+            p.message = (f"DEGRADED: {ledger.partial} of {ledger.total} mixes left out a neighbour "
+                         f"({ledger.note()}); this host trained mostly alone ({p.message})")
+            log.error("%s", p.message)
+        self.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(proc.wait), grace)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+
+    def kill(self) -> None:
+        """What must not outlive a forced daemon stop."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()

@@ -1,0 +1,149 @@
+"""The daemon's side of training runs: the current run, what reaches it, and how it ends.
+
+One run at a time per daemon. Updates of a peer whose run started before ours are held (up to
+`train_early_updates`) and replayed when ours starts; updates of another run (its tag differs)
+are dropped. A peer that sends bad updates (peerd.node.offences) is flagged: the run treats it as
+down for the cool-down (no policy waits on updates that are refused), then as up again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from peerd.net.dataplane import Received, Sink, Snapshot
+from peerd.net.membership import State, Transition
+from peerd.node.offences import PeerOffences
+from peerd.node.run.env import RunEnv
+from peerd.node.run.joining import Rankings
+from peerd.node.run.run import TrainingRun
+
+log = logging.getLogger("peerd.daemon")
+
+RUN_KINDS = ("model", "carry")     # data-plane kinds that belong to a run (tagged "kind:<tag>")
+
+
+class RunHost:
+    def __init__(self, env: RunEnv, offences: PeerOffences, event: Callable[..., None]) -> None:
+        self.env = env
+        self.offences = offences
+        self.event = event                       # the daemon's event log
+        self.training: TrainingRun | None = None
+        self.last_state: dict | None = None      # state() of the last run that ended (`peerd plan` reads it)
+        self.rankings = Rankings()
+        self._early: list[Received] = []         # peers' updates that arrived before our run started
+        self.stopped = False
+
+    # --- runs -----------------------------------------------------------------------------------
+    def start_run(self, run: TrainingRun) -> None:
+        self.training = run
+        early, self._early = self._early, []
+        for rec in early:
+            if rec.kind.partition(":")[2] == run.tag:
+                run.on_received(rec)
+            else:
+                rec.release()
+
+    def end_run(self, run: TrainingRun) -> None:
+        if self.training is run:
+            self.last_state = run.state()
+            self.training = None
+
+    async def stop(self) -> None:
+        if self.training is not None:
+            await self.training.stop()
+        for rec in self._early:
+            rec.release()
+        self._early.clear()
+        self.stopped = True
+
+    def force_stop(self) -> None:
+        if self.training is not None:
+            self.training.force_stop()
+
+    # --- the data plane ---------------------------------------------------------------------------
+    def on_received(self, rec: Received) -> None:
+        base, _, tag = rec.kind.partition(":")
+        if base in RUN_KINDS:
+            run = self.training
+            if run is not None:
+                if tag == run.tag:
+                    run.on_received(rec)
+                else:
+                    rec.release()  # a late update of an earlier run
+                return
+            if len(self._early) < self.env.cfg.train.early_updates:
+                self._early.append(rec)  # the peer's run started before ours; replayed at start
+                return
+        rec.release()
+
+    def pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
+        run = self.training
+        if run is not None and kind == run.kind("model"):
+            return run.serve_pull(requester)
+        return None
+
+    def sink_for(self, header, peer: str) -> Sink | None:
+        """A push the run sums as it arrives instead of receiving it whole (the data plane asks)."""
+        run = self.training
+        if run is not None and header.kind == run.kind("model"):
+            return run.sink_for(header)
+        return None
+
+    def screen(self, peer: str, kind: str) -> str | None:
+        """Model updates of a peer flagged for bad updates are refused at their header."""
+        if kind.partition(":")[0] not in RUN_KINDS:
+            return None
+        left = self.offences.flagged_for(peer)
+        return f"peer {peer} is flagged for bad updates; ignored for {left:.0f}s more" if left else None
+
+    def report_offence(self, peer: str, what: str) -> None:
+        """A bad update from `peer` (dropped where it was found). Flagged: the run treats the peer
+        as down for the cool-down, then as up."""
+        if not self.offences.record(peer, what):
+            return
+        cooldown = self.env.cfg.train.peer_cooldown
+        self.event("flagged", peer=peer, what=what, cooldown=cooldown)
+        if self.training is not None:
+            self.training.peer_down(peer)
+        asyncio.get_running_loop().call_later(cooldown + 0.05, self._readmit, peer)
+
+    def _readmit(self, peer: str) -> None:
+        if self.stopped or self.offences.flagged_for(peer):
+            return  # shut down, or flagged again meanwhile (that flag has its own timer)
+        self.event("readmitted", peer=peer)
+        if self.training is not None and self.env.alive(peer):
+            self.training.peer_up(peer)
+
+    # --- membership -------------------------------------------------------------------------------
+    def on_transition(self, tr: Transition) -> None:
+        run = self.training
+        if run is None:
+            return
+        if tr.new in (State.DEAD, State.LEFT, None):
+            run.peer_down(tr.node_id)
+        elif tr.new is State.ALIVE and tr.old in (State.DEAD, State.LEFT):
+            run.peer_up(tr.node_id)
+
+    def on_restart(self, node_id: str, old: int, new: int) -> None:
+        """A peer back as a new incarnation while still alive: to the run, a crash and a return."""
+        run = self.training
+        if run is not None:
+            log.info("peer %s restarted (incarnation %d -> %d)", node_id, old, new)
+            run.peer_down(node_id)
+            run.peer_up(node_id)
+
+    # --- a peer's calls about runs ----------------------------------------------------------------
+    def update_arriving(self, sender: str) -> None:
+        if self.training is not None:
+            self.training.liveness.update_arriving(sender)
+
+    def on_tokens(self, sender: str, n: int) -> None:
+        if self.training is not None:
+            self.training.on_tokens(sender, n)
+
+    def on_trainer_notice(self, sender: str, tag: str, state: int, k: int) -> int:
+        run = self.training
+        if run is None or tag != run.tag:
+            return -1
+        return run.on_notice(sender, state, k)
