@@ -4,8 +4,11 @@ lab, where peers truly cannot dial it, and training through tunnels and a relay,
 tests/test_nat_lab.py.)"""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from peerd.node.tunnels import Pipe, TunnelStats, splice
 from tests.daemons import control_status, wait_for
 from tests.test_training import swarm
 
@@ -62,3 +65,45 @@ def test_a_relay_route_is_dropped_once_the_peer_answers_directly_again():
         await pool.close()
         return routed, relayed
     assert asyncio.run(go()) == (False, [])
+
+
+def _queue_pipe(inbox: asyncio.Queue, outbox: asyncio.Queue, write_delay: float = 0.0, fail_after: int | None = None):
+    """A Pipe over two queues: reads `inbox` (None: closed), writes `outbox`, each write taking
+    `write_delay` (a slow next hop) and failing after `fail_after` writes (a hop that broke)."""
+    written = 0
+
+    async def write(data: bytes) -> None:
+        nonlocal written
+        if fail_after is not None and written >= fail_after:
+            raise ConnectionResetError("the next hop broke")
+        await asyncio.sleep(write_delay)
+        written += 1
+        await outbox.put(data)
+    return Pipe(inbox.get, write)
+
+
+def test_splice_delivers_every_chunk_in_order_then_what_was_read_ahead_at_the_close():
+    async def go():
+        a_in, a_out, b_in, b_out = (asyncio.Queue() for _ in range(4))
+        chunks = [bytes([i]) * 1000 for i in range(20)]
+        for c in chunks:
+            await a_in.put(c)
+        await a_in.put(None)                       # a closes right after its last chunk
+        stats = TunnelStats()
+        await asyncio.wait_for(splice(_queue_pipe(a_in, a_out), _queue_pipe(b_in, b_out, write_delay=0.01), stats), 10)
+        got = [b_out.get_nowait() for _ in range(b_out.qsize())]
+        return got, chunks, stats
+    got, chunks, stats = asyncio.run(go())
+    assert got == chunks                           # the slow hop got all of them, the ones read ahead too
+    assert stats.bytes == 20_000 and stats.connections == 1
+
+
+def test_splice_ends_when_the_next_hop_breaks_with_its_reads_blocked():
+    async def go():
+        a_in, a_out, b_in, b_out = (asyncio.Queue() for _ in range(4))
+        for i in range(50):                        # more than read-ahead holds: the reader blocks on it
+            await a_in.put(b"x" * 100)
+        await asyncio.wait_for(splice(_queue_pipe(a_in, a_out), _queue_pipe(b_in, b_out, fail_after=3),
+                                      TunnelStats()), 10)
+        return b_out.qsize()
+    assert asyncio.run(go()) == 3                  # and returned (no hang) once the write failed
