@@ -36,7 +36,7 @@ def _netns_unavailable() -> str | None:
 
 
 _WHY = _netns_unavailable()
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(240),
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 ROGUE = str(Path(__file__).parent / "rogue_peer.py")
 # Faster failure detection and probing than the defaults; nothing that changes what is measured.
@@ -45,7 +45,7 @@ DISCOVERY_BOUND = 30.0       # seconds from `lab up` returning until every daemo
 # Seconds until every host's matrix is complete and accurate. Warm-up takes ~15 s; a link whose
 # warm-up probes all met a site neighbour's probes on the shared uplink reads low until a later,
 # sparser settle probe (2, 4, 8, 16, 32 ... s apart with --link-min-probe-gap 1) gets through.
-MATRIX_BOUND = 170.0
+MATRIX_BOUND = 230.0   # CI: passed after 131-160 s on a loaded machine
 
 
 @pytest.fixture
@@ -179,8 +179,8 @@ def test_two_sites_every_host_ranks_intra_site_links_above_inter_site_within_25_
             return {"links": []}
 
     views: dict[str, dict] = {}
-    # Ends in time to report what failed within the module's 240 s timeout (lab up included).
-    end = min(started + MATRIX_BOUND, t0 + 185)
+    # Ends in time to report what failed within the module's 300 s timeout (lab up included).
+    end = min(started + MATRIX_BOUND, t0 + 245)
     with concurrent.futures.ThreadPoolExecutor(len(lb.hosts)) as pool:   # 4 CLI starts at once
         while True:
             views = dict(zip(lb.hosts, pool.map(view, lb.hosts)))

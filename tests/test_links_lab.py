@@ -58,12 +58,18 @@ def test_estimates_follow_a_shaped_link_and_its_change(lab):
         # 12 s: the change at 4.5 s, a probe in flight then (up to its ~3 s deadline), then the
         # confirming probe (~2 s at 8 Mbit).
         prober = lab.popen(0, [HELPER, "probe", f"{lab.ips[1]}:7300", "12", str(flag), "0.2"])
-        time.sleep(4.5)
+        # At 4.5 s of the prober's own clock (its start, imports included, can take seconds on
+        # a loaded machine, and its 12 s count from there).
+        seen = []
+        while not seen or json.loads(seen[-1])["t"] < 4.5:
+            line = readline(prober, 20)
+            assert line, f"the prober ended early: {prober.wait(10)} {prober.stderr.read()[-2000:]}"
+            seen.append(line)
         shape(lab, "8mbit", change=True)
         flag.touch()
-        out, err = prober.communicate(timeout=30)
+        out, err = rest(prober, 30)
     assert prober.returncode == 0, err
-    events = [json.loads(line) for line in out.splitlines()]
+    events = [json.loads(line) for line in [*seen, *out.splitlines()] if line.strip()]
     print(*[e for e in events if e.get("kind") != "rtt"], sep="\n")
     dp = next(i for i, e in enumerate(events) if e["event"] == "observed")
     before = [e for e in events[:dp] if e["event"] == "estimate" and e["kind"] == "bw"]

@@ -24,9 +24,18 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(420),
 PORT = Config().lab.daemon_port
 
 
-def _status(lb, h) -> dict | None:
-    p = lb.run(h, [sys.executable, "-m", "cli.main", "status", "--json"], timeout=30)
+def _cli(lb, h, *args: str) -> dict | None:
+    """A `peerd ... --json` answer in h's namespace; None when it fails or its start outlasts 60 s
+    (a loaded machine; the callers poll within a deadline of their own)."""
+    try:
+        p = lb.run(h, [sys.executable, "-m", "cli.main", *args, "--json"], timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def _status(lb, h) -> dict | None:
+    return _cli(lb, h, "status")
 
 
 def _inbound_from_outside(lb, h, site_net) -> list[str]:
@@ -120,10 +129,8 @@ def test_site_behind_nat_joins_through_tunnels_and_trains(tmp_path):
 
 def _capacity(lb, h: str, src: str, dst: str) -> float:
     """src -> dst capacity in Mbit/s as h's link matrix has it (0 when not yet measured)."""
-    p = lb.run(h, [sys.executable, "-m", "cli.main", "links", "--json"], timeout=30)
-    if p.returncode != 0:
-        return 0.0
-    return max((r["capacity_mbit_s"] or 0.0 for r in json.loads(p.stdout)["links"]
+    view = _cli(lb, h, "links") or {"links": []}
+    return max((r["capacity_mbit_s"] or 0.0 for r in view["links"]
                 if r["measurer"] == src and r["target"] == dst), default=0.0)
 
 

@@ -137,6 +137,7 @@ def test_a_flood_claiming_a_peer_does_not_lock_the_peer_out(daemons):
                     codes.append(e.code().name)
 
     t = threading.Thread(target=flood)
+    t0 = time.monotonic()
     t.start()
     try:
         time.sleep(3.0)                         # longer than dead_after (2 s)
@@ -147,8 +148,10 @@ def test_a_flood_claiming_a_peer_does_not_lock_the_peer_out(daemons):
     finally:
         stop.set()
         t.join(10)
+    flooded = time.monotonic() - t0
     assert "RESOURCE_EXHAUSTED" in codes and "OK" not in codes
-    assert codes.count("UNAUTHENTICATED") <= 5 + 1 * 4 + 1     # its burst, and what it earned back
+    # its burst, and what it earned back at 1 refusal/s over however long the flood ran
+    assert codes.count("UNAUTHENTICATED") <= 5 + 1 * flooded + 1, (codes.count("UNAUTHENTICATED"), flooded)
 
 
 # --- finding 5 ----------------------------------------------------------------------------------
@@ -187,9 +190,16 @@ def test_concurrent_calls_are_bounded(daemons):
     with grpc.insecure_channel(a.address) as ch:
         calls = [ch.stream_unary(PUSH_METHOD).future(frames(), metadata=m.sign(PUSH_METHOD, a.node_id, None),
                                                      timeout=30) for m in members]
-        time.sleep(1.0)
-        err = code_of(lambda: call(ch, PING, pb.PingRequest(), member(), a.node_id))
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The six held calls are admitted as the daemon gets to them (a loaded machine: not
+        # within a fixed sleep); a seventh is refused once they are. A broken bound never refuses.
+        def refused():
+            try:
+                call(ch, PING, pb.PingRequest(), member(), a.node_id)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                return True
+            return False
+        wait_for(refused, 15, "a seventh concurrent call to be refused")
         hold.set()
         for c in calls:
             c.cancel()

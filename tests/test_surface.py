@@ -31,7 +31,7 @@ from tests.daemons import control_status, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
-ITERATIONS = 150
+ITERATIONS = 250   # after iteration 30, ~18 s of paced run left for the scrapes and `peerd top`
 
 
 def free_port() -> int:
@@ -142,9 +142,9 @@ def test_metrics_live_view_and_top_during_a_training_run(daemons):
     try:
         wait_for(lambda: iteration(a) >= 30 and iteration(b) >= 30, 240, "the run to pass iteration 30")
         samples = scrape(url)
+        other = scrape(f"http://127.0.0.1:{ports[1]}/metrics")
         top = subprocess.run(peerd_cmd("top", "--data-dir", str(a.data_dir), "--once"), capture_output=True,
                              text=True, timeout=120)
-        other = scrape(f"http://127.0.0.1:{ports[1]}/metrics")
         code = view.finish(240)
         out, err = plain.communicate(timeout=240)
     finally:

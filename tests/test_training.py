@@ -150,8 +150,9 @@ def longest_stall(records: list[dict]) -> tuple[float, int]:
 
 STALL_BOUND = 5.0   # train_silent_peer_timeout of these daemons: the most a host waits on a silent neighbour
 # A stall between two completed iterations is that wait plus the host's own step and the progress
-# record's way to `peerd train`: allowed on top of the bound.
-STALL_SLACK = 1.0
+# record's way to `peerd train`, on a loaded 2-core CI machine: allowed on top of the bound. The
+# failures these bounds catch are waits of a restarting trainer or of SILENT (tens of seconds).
+STALL_SLACK = 2.5
 
 
 def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
