@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # (docs/getting-started.md, "GPU hosts"), and pip keeps it because it satisfies pyproject's range.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-tools test-docker test-gpu demo proto proto-check clean
+.PHONY: venv test test-fast test-tools test-docker test-gpu demo proto proto-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-tools:
 test: venv test-tools
 	$(PY) -m compileall -q peerd cli >/dev/null
 	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/gpu tests
+
+# The inner loop: every test not marked `lab` (namespaces, root) or `slow` (daemons, real runs).
+test-fast: venv
+	$(PY) -m pytest -q -ra --durations=5 --ignore=tests/gpu -m "not lab and not slow" tests
 
 # The Docker tests alone (`make test` runs them too). As root they start a private dockerd and
 # build the image; the base image and wheels are cached in /var/cache/peerd-test (docs/docker.md).

@@ -83,15 +83,21 @@ def test_site_behind_nat_joins_through_tunnels_and_trains(tmp_path):
         nat = lb.state["nat"]["b"]
         site_net = ipaddress.ip_network(nat["subnet"])
         b_hosts = [h for h in lb.hosts if lb.state["hosts"][h]["site"] == "b"]
+        def tunnels_set_up(st: dict) -> bool:
+            # site a could not dial b's hosts back, so they keep tunnels to both a hosts (a Hello
+            # answered is alive at once; the tunnels follow it by a moment)
+            return (all(len(st[h]["tunnels_to"]) == 2 for h in b_hosts)
+                    and all(len(st[h]["tunnels_from"]) == 2 for h in ("h1", "h2")))
         deadline, st = time.monotonic() + 90, {}
         while time.monotonic() < deadline:
             st = {h: _status(lb, h) for h in lb.hosts}
-            if all(s and sum(p["state"] == "alive" for p in s["peers"]) == 3 for s in st.values()):
+            if all(s and sum(p["state"] == "alive" for p in s["peers"]) == 3 for s in st.values()) \
+                    and tunnels_set_up(st):
                 break
             time.sleep(1)
         else:
-            pytest.fail(f"no full membership within 90 s: { {h: s and [p['state'] for p in s['peers']] for h, s in st.items()} }")
-        for h in b_hosts:      # site a could not dial them back, so they keep tunnels to both a hosts
+            pytest.fail(f"no full membership and tunnels within 90 s: {st}")
+        for h in b_hosts:
             assert len(st[h]["tunnels_to"]) == 2 and st[h]["dial_backs_failed"] >= 1, (h, st[h])
         for h in ("h1", "h2"):
             assert not st[h]["tunnels_to"] and len(st[h]["tunnels_from"]) == 2, (h, st[h])
@@ -153,11 +159,12 @@ def test_two_sites_behind_nat_train_through_a_relay(tmp_path):
         deadline, st = time.monotonic() + 90, {}
         while time.monotonic() < deadline:
             st = {h: _status(lb, h) for h in lb.hosts}
-            if all(s and sum(p["state"] == "alive" for p in s["peers"]) == 2 for s in st.values()):
+            if all(s and sum(p["state"] == "alive" for p in s["peers"]) == 2 for s in st.values()) \
+                    and st["h2"]["relayed_to"] and st["h3"]["relayed_to"]:
                 break
             time.sleep(1)
         else:
-            pytest.fail(f"no full membership within 90 s: { {h: s and [p['state'] for p in s['peers']] for h, s in st.items()} }")
+            pytest.fail(f"no full membership through the relay within 90 s: {st}")
         ids = {h: s["node_id"] for h, s in st.items()}
         assert st["h2"]["relayed_to"] == [ids["h3"]] and st["h3"]["relayed_to"] == [ids["h2"]], st
         assert st["h1"]["relay"] and int(st["h1"]["relayed_connections"]) >= 2, st["h1"]
