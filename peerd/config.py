@@ -92,9 +92,7 @@ class NodeConfig:
                                "connection of that peer takes one at once")
     tunnel_retry: float = _f(1.0, "seconds before a tunnel that failed to open is tried again (doubling, up "
                                   "to membership's connect_retry_max)")
-    # Each hop holds a whole message before passing it on: at 50 Mbit a 1 MiB message cost a relayed
-    # path 2 x 170 ms, which a 2 s link probe read as 15 % less capacity; 128 KiB costs 2 x 21 ms.
-    tunnel_chunk_bytes: int = _f(128 << 10, "most bytes of a tunnelled connection in one tunnel message")
+    tunnel_chunk_bytes: int = _f(1 << 20, "most bytes of a tunnelled connection in one tunnel message")
     relay: bool = _f(False, "relay tunnels between peers that cannot dial each other (both behind NAT): "
                             "this host must be reachable; its bandwidth carries their traffic twice")
     relay_budget_bytes: int = _f(0, "most bytes this host relays in all (0: no limit); then it refuses relaying")
