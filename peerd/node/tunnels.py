@@ -102,36 +102,13 @@ def call_pipe(read_frame: Callable[[], Awaitable], write_frame: Callable[[pb.Tun
     return Pipe(read, write)
 
 
-SPLICE_AHEAD = 4                # chunks a splice reads ahead of its write, each way
-
-
 async def splice(a: Pipe, b: Pipe, stats: TunnelStats) -> None:
     """Copy each end's bytes to the other until either closes, then close both (gRPC's
     connections do not half-close)."""
     async def copy(src: Pipe, dst: Pipe) -> None:
-        # Reading runs ahead of writing (up to SPLICE_AHEAD chunks): a chunk waiting for the
-        # next hop's flow-control window does not stop the next one arriving, so a relay's two
-        # hops stream at once instead of taking turns.
-        ahead: asyncio.Queue = asyncio.Queue(SPLICE_AHEAD)
-
-        async def write_all() -> None:
-            while (data := await ahead.get()) is not None:
-                await dst.write(data)
-        writer = asyncio.ensure_future(write_all())
-        try:
-            while True:
-                data = await src.read()
-                put = asyncio.ensure_future(ahead.put(data))
-                await asyncio.wait({put, writer}, return_when=asyncio.FIRST_COMPLETED)
-                if not put.done():            # the writer ended (its end closed) with the queue full
-                    put.cancel()
-                    break
-                if data is None:
-                    break
-                stats.bytes += len(data)
-            await writer                      # what was read ahead, written before the close
-        finally:
-            writer.cancel()
+        while (data := await src.read()) is not None:
+            stats.bytes += len(data)
+            await dst.write(data)
     stats.connections += 1
     ways = {asyncio.ensure_future(copy(a, b)), asyncio.ensure_future(copy(b, a))}
     try:
