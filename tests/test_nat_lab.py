@@ -160,7 +160,8 @@ def test_two_sites_behind_nat_train_through_a_relay(tmp_path):
         while time.monotonic() < deadline:
             st = {h: _status(lb, h) for h in lb.hosts}
             if all(s and sum(p["state"] == "alive" for p in s["peers"]) == 2 for s in st.values()) \
-                    and st["h2"]["relayed_to"] and st["h3"]["relayed_to"]:
+                    and st["h2"]["relayed_to"] and st["h3"]["relayed_to"] \
+                    and int(st["h1"]["relayed_connections"]) >= 2:     # a route is set before its first connection
                 break
             time.sleep(1)
         else:

@@ -224,3 +224,24 @@ def test_a_neighbour_whose_update_is_streaming_in_is_not_silent(tmp_path):
         return live.absent, marked
     absent, marked = asyncio.run(go())
     assert absent == {1: "silent"} and marked <= ARRIVING_WINDOW + 1.0, (absent, marked)
+
+
+def test_a_pause_notice_covers_the_one_update_the_trainer_may_still_publish(tmp_path):
+    """PAUSE reaches the trainer at its next iteration boundary: it may publish iteration k + 1
+    after the daemon sent its ABSENT notice at k (CI saw exactly this: the neighbour re-admitted
+    the paused host by that update, then waited for it as silent and ended degraded). The notice
+    carries k + 1."""
+    from peerd.node.run.outbound import Notice
+    from peerd.v1 import peer_pb2 as pb
+    cfg = Config().replace(run_id="t")
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), ["a1", "a2", "b3"])
+        run.policy.k = 41
+        sent = []
+        run.outbound._queue = lambda dst: types.SimpleNamespace(put_nowait=lambda item: sent.append((dst, item)))
+        await run.api.direct(cpb.Directive(kind=cpb.Directive.KIND_PAUSE))
+        cancel_tasks(run)
+        return sent
+    sent = asyncio.run(go())
+    assert sorted(sent) == [(1, Notice(pb.TrainerNotice.STATE_ABSENT, 42)), (2, Notice(pb.TrainerNotice.STATE_ABSENT, 42))]

@@ -99,11 +99,13 @@ class Outbound:
     def grant(self, dst: int, n: int) -> None:
         self._queue(dst).put_nowait(Grant(n))
 
-    def announce(self, state: int) -> None:
-        """Tell every other host of the run, each behind the updates already queued for it."""
+    def announce(self, state: int, k: int | None = None) -> None:
+        """Tell every other host of the run, each behind the updates already queued for it. `k`
+        (default: our iteration) is the notice's iteration; for ABSENT, the newest update of ours
+        the notice may still be followed by."""
         for dst in self.ctx.others():
             self.notices_pending += 1
-            self._queue(dst).put_nowait(Notice(state, self.ctx.policy.k))
+            self._queue(dst).put_nowait(Notice(state, self.ctx.policy.k if k is None else k))
 
     def idle(self) -> bool:
         """No push or notice of ours queued or in flight."""

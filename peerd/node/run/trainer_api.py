@@ -219,7 +219,10 @@ class TrainerApi:
         if d.kind == kind.KIND_PAUSE and not self.paused:
             self.paused = True
             self.progress.state = "paused"
-            self.outbound.announce(pb.TrainerNotice.STATE_ABSENT)
+            # The trainer pauses at its next iteration boundary, so it may publish once more
+            # (k + 1) after this notice; that update must not re-admit it at the neighbours
+            # (re-admitted and then silent, it would cost them a wait and partial mixes).
+            self.outbound.announce(pb.TrainerNotice.STATE_ABSENT, self.ctx.policy.k + 1)
         elif d.kind == kind.KIND_RESUME and self.paused:
             self.paused = False
             if self.progress.state == "paused":
