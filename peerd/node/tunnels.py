@@ -230,6 +230,8 @@ class TunnelHub:
                                 f"peerd: {self.relaying} relayed connections open (relay_max_connections)")
         spare = await self._take(target)
         if spare is None:
+            log.info("relay from %s to %s: no idle tunnel of the target within %.0fs", caller, target,
+                     self.cfg.node.rpc_timeout)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peerd: no tunnel of {target[:40]} here to relay to")
         over = asyncio.get_running_loop().create_future()
         spare.taken.set_result((mine, over, self.relayed))
@@ -465,7 +467,7 @@ class RelayRoutes:
                     return
                 except (grpc.aio.AioRpcError, ConnectionError, OSError, asyncio.TimeoutError) as e:
                     what = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                    log.debug("relay %s to %s: %s", relay, node, what)
+                    log.info("relay %s to %s: %s", relay, node, what)   # a connection lost: worth a line
                 finally:
                     call.cancel()
                     await channel.close()
