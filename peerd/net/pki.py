@@ -32,7 +32,6 @@ import base64
 import datetime as dt
 import hashlib
 import json
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -45,6 +44,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from peerd.files import atomic_write
 
 NODE_ID_BYTES = 16
 NODE_ID_LEN = 2 * NODE_ID_BYTES
@@ -124,15 +125,8 @@ def load_key(path: Path) -> PrivateKey:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` (mode 600) via a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """Write `data` to `path`, mode 600, atomically."""
+    atomic_write(path, data, 0o600)
 
 
 # --- the cluster CA -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from peerd.files import atomic_write
 from peerd.net import pki
 
 log = logging.getLogger("peerd.daemon")
@@ -18,22 +19,6 @@ REVOKED_FILE = "revoked.json"
 
 class DataDirError(RuntimeError):
     """The data dir cannot be used (in use by another daemon, unwritable, corrupt)."""
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write via a temporary file, fsync and rename, so a crash leaves the old or the new content."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class DataDir:
