@@ -567,20 +567,24 @@ def tls_bench(sizes: str, reps: int, as_json: bool) -> None:
 @bench.command("lowcomm")
 @click.option("--init", "init_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="the shared warm start of the small gpt model (docs/real-size.md)")
-@click.option("--contenders", default="diloco-all-int8,diloco-all,diloco-ring-int8,netmax,ad-psgd,d-psgd,"
-              "straggler-fixed-h,straggler-budget", show_default=True, help="comma-separated")
+@click.option("--contenders", default="ddp,diloco-all-int8,diloco-all,diloco-ring-int8,netmax,ad-psgd,d-psgd,"
+              "straggler-ddp,straggler-fixed-h,straggler-budget", show_default=True,
+              help="comma-separated; ddp and straggler-ddp are torch DDP, ddp-reference DDP's loss in one process")
 @click.option("--seeds", default=1, show_default=True)
 @click.option("--steps", default=60, show_default=True, help="inner steps per host (DiLoCo: STEPS / H rounds)")
 @click.option("--inner-steps", default=10, show_default=True, help="H of the DiLoCo contenders")
 @click.option("--step-time", default=2.5, show_default=True, help="paced seconds per inner step")
 @click.option("--target", default=2.60, show_default=True, help="validation loss to reach (nats per byte)")
 @click.option("--wall-limit", default=900.0, show_default=True, help="seconds after which a run is stopped")
+@click.option("--ddp-steps", default=0, show_default=True,
+              help="steps of the ddp contenders (0: --steps); each all-reduces the whole model")
 @click.option("--straggler", default="h1", show_default=True, help="the 2x slower host of the straggler contenders")
 @click.option("--out", "out_dir", default="bench-lowcomm", show_default=True)
 @click.option("--daemon-arg", "daemon_args", multiple=True,
               help="extra flag for every lab daemon (repeatable), e.g. --daemon-arg=--train-mix-timeout=240")
 def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_steps: int, step_time: float,
-                target: float, wall_limit: float, straggler: str, out_dir: str, daemon_args: tuple[str, ...]) -> None:
+                target: float, wall_limit: float, ddp_steps: int, straggler: str, out_dir: str,
+                daemon_args: tuple[str, ...]) -> None:
     """The low-communication mode against today's algorithms with the 25M gpt on the two-sites lab
     (root): time to a target validation loss, final loss, bytes per host per inner step
     (peerd.bench.lowcomm). Records in OUT/results.jsonl, the table on stdout."""
@@ -589,7 +593,7 @@ def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_s
     from peerd.bench import lowcomm
 
     st = lowcomm.LowCommSettings(init=str(Path(init_path).absolute()), steps=steps, inner_steps=inner_steps,
-                                 step_time=step_time, target=target, wall_limit=wall_limit,
+                                 step_time=step_time, target=target, wall_limit=wall_limit, ddp_steps=ddp_steps,
                                  daemon_args=tuple(daemon_args))
     try:
         records = lowcomm.run([c.strip() for c in contenders.split(",") if c.strip()], seeds, st, Path(out_dir),
@@ -610,3 +614,26 @@ def lowcomm_report(out_dir: str, target: float | None) -> None:
     from peerd.bench.scenarios import _read_jsonl
 
     click.echo(lowcomm.table(_read_jsonl(Path(out_dir) / "results.jsonl"), target))
+
+
+@bench.command("warm-start")
+@click.option("--model-size", default="small", show_default=True, help="of the gpt task")
+@click.option("--context", default=128, show_default=True)
+@click.option("--steps", default=240, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--lr", type=float, default=None, help="default: the task's")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", default=2, show_default=True, help="torch threads")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
+def warm_start_cmd(model_size: str, context: int, steps: int, batch_size: int, lr: float | None, seed: int,
+                   threads: int, out_path: str) -> None:
+    """Train the gpt model in this process and save it with its Adam moments: the `--init` every
+    contender of `peerd bench lowcomm` starts from (peerd/train/warmstart.py)."""
+    import torch
+
+    from peerd.train import warmstart
+    from peerd.train.tasks import get_task
+
+    torch.set_num_threads(threads)
+    task = get_task("gpt", model_size=model_size, context=context)
+    warmstart.make(task, steps, batch_size, out_path, seed=seed, lr=lr, echo=lambda s: click.echo(s, err=True))

@@ -5,13 +5,15 @@ import os
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+def atomic_write(path: Path, data: bytes | memoryview, mode: int = 0o644) -> None:
     """Write via a temporary file (created with `mode`, never through a symlink), fsync and rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:                 # one write() may take less than all of a big buffer
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)

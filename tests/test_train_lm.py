@@ -3,6 +3,7 @@ tokenizer, the model presets, the device choice and the staged (GPU-path) exchan
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from peerd.train import DecentralizedOptimizer, LocalGroup
 from peerd.train import corpus as cm
@@ -301,3 +303,67 @@ def test_init_weights_from_a_state_dict_or_a_checkpoint(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), src.state_dict().values()))
     with pytest.raises(RuntimeError, match="size mismatch"):
         load_init(GPT(preset("tiny", 64)), tmp_path / "w.pt")
+
+
+def test_a_warm_start_carries_adams_moments_so_training_continues_where_it_stopped(tiny, tmp_path):
+    """A warm start (peerd bench warm-start) of 4 Adam steps, then 3 more steps from the file, in
+    DecentralizedOptimizer (one worker: the mix is the identity) and in DiLoCo's inner AdamW: both
+    land where 7 uninterrupted steps of torch's Adam land. Without the moments they would not."""
+    from peerd.train import warmstart
+    from peerd.train.outer import OuterOptimizer
+    from peerd.train.worker import load_init
+
+    torch.set_num_threads(1)
+    path = tmp_path / "warm.pt"
+    meta = warmstart.make(tiny, 4, 2, path, eval_every=4, echo=lambda s: None)
+    assert meta["steps"] == 4 and len(meta["evals"]) == 2
+    d = tiny.defaults
+    batches = list(itertools.islice(tiny.batches(tiny.shard(0, 1), 2, 0), 7))
+
+    ref = tiny.build(0)
+    opt = torch.optim.Adam(ref.parameters(), lr=d["lr"], betas=d["betas"])
+    for b in batches:
+        opt.zero_grad()
+        tiny.loss(ref, b).backward()
+        opt.step()
+
+    def resumed(make_opt, moments: bool) -> nn.Module:
+        model = tiny.build(1)                       # other weights: the file must replace them
+        load_init(model, path)
+        o = make_opt(model, LocalGroup(1).worker(0))
+        if moments:
+            o.seed_moments(warmstart.moments(path, model))
+        for b in batches[4:]:
+            o.zero_grad()
+            tiny.loss(model, b).backward()
+            o.step()
+        return model
+
+    def dec(model, ex):
+        return DecentralizedOptimizer(model.parameters(), ex, "adam", lr=d["lr"], betas=d["betas"])
+
+    def outer(model, ex):
+        return OuterOptimizer(model.parameters(), ex, "adamw", lr=d["lr"], betas=d["betas"], inner_steps=100)
+
+    for make_opt in (dec, outer):
+        diff = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), resumed(make_opt, True).parameters()))
+        cold = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), resumed(make_opt, False).parameters()))
+        assert diff < 1e-5, (make_opt.__name__, diff)
+        assert cold > 100 * diff + 1e-4, (make_opt.__name__, cold)
+
+
+def test_a_warm_start_of_another_model_or_without_moments_is_named(tiny, tmp_path):
+    from peerd.train import warmstart
+
+    bare = tmp_path / "bare.pt"
+    torch.save(tiny.build(0).state_dict(), bare)
+    assert warmstart.moments(bare, tiny.build(0)) is None
+    path = tmp_path / "warm.pt"
+    warmstart.make(tiny, 1, 2, path, eval_every=1, echo=lambda s: None)
+    other = get_task("gpt", model_size="tiny", context=64, cache_dir=tiny.cache_dir)
+    with pytest.raises(ValueError, match="pos"):
+        warmstart.moments(path, other.build(0))
+    with pytest.raises(ValueError, match="adam or adamw"):
+        opt_model = tiny.build(0)
+        DecentralizedOptimizer(opt_model.parameters(), LocalGroup(1).worker(0), "sgd", lr=0.1).seed_moments(
+            warmstart.moments(path, opt_model))

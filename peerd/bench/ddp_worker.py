@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from peerd.train.pace import Pace
+from peerd.train import warmstart
 from peerd.train.tasks import get_task
+from peerd.train.worker import load_init
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-prob", type=float, default=0.0)
     ap.add_argument("--slow-factor", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout, seconds")
+    ap.add_argument("--model-size", default=None, help="gpt: as `peerd train --model-size`")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--eval-tokens", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--init", default=None, help="a warm start (weights, and Adam moments when it has them)")
     ap.add_argument("--trace", required=True)
     ap.add_argument("--progress", required=True)
     ap.add_argument("--model-out", required=True)
@@ -52,22 +59,37 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    task = get_task(args.task)
+    options = {k: v for k, v in (("model_size", args.model_size), ("context", args.context),
+                                 ("eval_tokens", args.eval_tokens)) if v is not None}
+    task = get_task(args.task, **options)
     hp = dict(task.defaults)
-    batch_size = hp.pop("batch_size", 32)
-    if hp.pop("inner", "sgd") != "sgd":
-        raise SystemExit(f"task {args.task}: the DDP baseline implements the SGD tasks only")
-    model = DDP(task.build(args.seed))
-    opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0),
-                          weight_decay=hp.get("weight_decay", 0.0))
+    batch_size = args.batch_size or hp.pop("batch_size", 32)
+    inner = hp.pop("inner", "sgd")
+    module = task.build(args.seed)
+    warm = None
+    if args.init:
+        load_init(module, args.init)
+        warm = warmstart.moments(args.init, module)
+    model = DDP(module)
+    if inner == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0),
+                              weight_decay=hp.get("weight_decay", 0.0))
+    elif inner in ("adam", "adamw"):   # peerd's adam with weight decay 0 is torch's Adam step for step
+        opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=hp.get("betas", (0.9, 0.999)),
+                                weight_decay=hp.get("weight_decay", 0.0))
+        if warm is not None:
+            warmstart.seed_torch_adam(opt, warm)
+    else:
+        raise SystemExit(f"task {args.task}: the DDP baseline implements sgd and adam(w), not {inner!r}")
     batches = task.batches(task.shard(rank, world, args.non_iid, args.seed), batch_size, args.seed)
     pace = Pace(args.step_time, max(1.0, args.slowdown), args.slow_prob, args.slow_factor, args.seed, rank)
 
     dist.barrier()  # every rank starts its first step together, as the peerd runs do
     with open(args.trace, "w") as trace, open(args.progress, "w") as progress:
         def report(it: int, loss: float, extra: dict[str, float], state: str = "training") -> None:
+            name = "accuracy" if "accuracy" in extra else "loss" if "loss" in extra else ""
             rec = {"t": time.time(), "state": state, "iteration": it, "loss": loss, "rank": rank,
-                   "metric_name": "accuracy" if "accuracy" in extra else "", "metric": extra.get("accuracy", 0.0)}
+                   "metric_name": name, "metric": extra.get(name, 0.0)}
             progress.write(json.dumps(rec) + "\n")
             progress.flush()
 

@@ -42,7 +42,17 @@ class LowCommSettings:
     inner_steps: int = 10          # H of the DiLoCo contenders (their rounds: steps / H)
     eval_every: int = 5            # per-iteration contenders; DiLoCo evaluates at every sync
     wall_limit: float = 900.0      # a run still short of its steps after this is stopped (and says so)
+    ddp_steps: int = 0             # steps of the DDP contenders (0: `steps`); each all-reduces the whole model
+    ddp_eval_every: int = 2
     daemon_args: tuple[str, ...] = ()   # extra `peerd up` flags for the lab's daemons
+
+
+# torch DDP over gloo: every step all-reduces the gradients of the whole model (the baseline users know)
+DDP_CONTENDERS = ("ddp", "straggler-ddp")
+
+
+def is_straggler(name: str) -> bool:
+    return name.startswith("straggler")
 
 
 def contenders(st: LowCommSettings) -> dict[str, list[str]]:
@@ -107,11 +117,15 @@ def run_one(lb: lab.Lab, name: str, flags: list[str], st: LowCommSettings, seed:
               "--batch-size", str(st.batch_size), "--eval-tokens", str(st.eval_tokens), "--init", st.init,
               "--step-time", f"{st.step_time:g}", "--world", str(len(lb.hosts)), "--seed", str(seed),
               "--json", "--trace", "--join-timeout", str(cfg.bench.swarm_timeout)]
+    ddp = name in DDP_CONTENDERS
     t_start = time.time()
     with TxSampler(lb, cfg.bench.tx_interval) as tx:
-        for h in lb.hosts:
-            slow = "2" if name.startswith("straggler") and h == straggler else "1"
+        for rank, h in enumerate(lb.hosts):
+            slow = "2" if is_straggler(name) and h == straggler else "1"
             progress[h] = run_dir / f"{h}.progress.jsonl"
+            if ddp:
+                procs.append(_start_ddp(lb, name, rank, h, st, seed, slow, run_dir, progress[h], cfg))
+                continue
             with open(progress[h], "w") as fh:
                 procs.append(lb.popen(h, _py("-m", "cli.main", "train", *common, *flags, "--slowdown", slow),
                                       stdout=fh, stderr=subprocess.STDOUT, text=True))
@@ -134,13 +148,13 @@ def run_one(lb: lab.Lab, name: str, flags: list[str], st: LowCommSettings, seed:
     training = {h: [r for r in rs if r.get("state") == "training"] for h, rs in recs.items()}
     t0 = min((rs[0]["t"] for rs in training.values() if rs), default=t_start)
     per_host = {h: evals(rs) for h, rs in recs.items()}
-    steps = {h: _inner_steps(lb, h, t0) for h in lb.hosts}
+    steps = {h: _trace_lines(run_dir / f"{h}.trace.jsonl") if ddp else _inner_steps(lb, h, t0) for h in lb.hosts}
     # the run's own bytes: the interface's count less what the host sends when idle
     sent = {h: max(0, round(tx.between(h, t0, t_end) - idle[h] * (t_end - t0))) for h in lb.hosts}
     finals = [pts[-1][1] for pts in per_host.values() if pts]
     ttt = time_to_target(per_host, st.target, t0)
     rec = {"contender": name, "seed": seed, "flags": flags, "settings": asdict(st), "hosts": lb.hosts,
-           "straggler": straggler if name.startswith("straggler") else None,
+           "straggler": straggler if is_straggler(name) else None,
            "time_to_target_s": None if ttt is None else round(ttt, 1), "target": st.target,
            "final_loss": round(statistics.fmean(finals), 4) if finals else None,
            "final_loss_per_host": {h: round(p[-1][1], 4) for h, p in per_host.items() if p},
@@ -150,6 +164,30 @@ def run_one(lb: lab.Lab, name: str, flags: list[str], st: LowCommSettings, seed:
            "bytes_per_inner_step": {h: round(sent[h] / steps[h]) if steps[h] else None for h in lb.hosts},
            "load_avg": os.getloadavg()[0], "error": error, "code": code_version()}
     return rec
+
+
+def _start_ddp(lb: lab.Lab, name: str, rank: int, host: str, st: LowCommSettings, seed: int, slowdown: str, run_dir: Path,
+               progress: Path, cfg: Config) -> subprocess.Popen:
+    """One rank of torch DDP over gloo in `host`'s namespace, the way torchrun users start it, on the
+    same task, warm start, batch and paced step time as the peerd contenders (peerd/bench/ddp_worker.py)."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    # a fresh rendezvous port per run: no TIME_WAIT clash with the last one
+    port = cfg.bench.master_port + 1 + 4 * seed + DDP_CONTENDERS.index(name)
+    argv = _py("-m", "torch.distributed.run", "--nnodes", str(len(lb.hosts)), "--node-rank", str(rank),
+               "--master-addr", lb.ip(lb.hosts[0]), "--master-port", str(port),
+               "--nproc-per-node", "1", "-m", "peerd.bench.ddp_worker", "--task", "gpt",
+               "--model-size", st.model_size, "--context", str(st.context), "--eval-tokens", str(st.eval_tokens),
+               "--batch-size", str(st.batch_size), "--init", st.init, "--iterations", str(st.ddp_steps or st.steps),
+               "--seed", str(seed), "--eval-every", str(st.ddp_eval_every), "--step-time", f"{st.step_time:g}",
+               "--slowdown", slowdown, "--timeout", str(max(cfg.bench.gloo_timeout, 300.0)),
+               "--trace", str(run_dir / f"{host}.trace.jsonl"), "--progress", str(progress),
+               "--model-out", str(run_dir / "ddp-model.pt"))
+    with open(run_dir / f"{host}.log", "w") as fh:
+        return lb.popen(host, argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _trace_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.startswith("{")) if path.exists() else 0
 
 
 def _inner_steps(lb: lab.Lab, host: str, since: float) -> int:
@@ -169,7 +207,7 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
     # measured and subtracted instead (idle_rates)
     cfg = cfg or Config().replace(bench_settle_timeout=150.0, bench_quiet_timeout=60.0)
     known = contenders(st)
-    unknown = [n for n in names if n not in known and n != "ddp-reference"]
+    unknown = [n for n in names if n not in known and n not in DDP_CONTENDERS and n != "ddp-reference"]
     if unknown:
         raise ValueError(f"unknown contender(s) {unknown}; known: {', '.join(known)}")
     if not st.init or not Path(st.init).is_file():
@@ -198,8 +236,9 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
             for name in names:
                 if (name, seed) in done:
                     continue
-                echo(f"[{name} / seed {seed}] {' '.join(known[name])}")
-                rec = run_one(lb, name, known[name], st, seed, out / name / f"seed{seed}", straggler, cfg, echo)
+                flags = known.get(name, ["torch DDP over gloo (peerd/bench/ddp_worker.py)"])
+                echo(f"[{name} / seed {seed}] {' '.join(flags)}")
+                rec = run_one(lb, name, flags, st, seed, out / name / f"seed{seed}", straggler, cfg, echo)
                 records.append(rec)
                 with open(results, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
@@ -256,6 +295,7 @@ def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
     shards together cover). Its time is the runtime model's (`peerd plan`), not measured."""
     import torch
 
+    from peerd.train import warmstart
     from peerd.train.tasks import get_task
     from peerd.train.worker import load_init
 
@@ -266,6 +306,8 @@ def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
     d = task.defaults
     opt = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=d.get("betas", (0.9, 0.999)),
                             weight_decay=d.get("weight_decay", 0.0))
+    if (warm := warmstart.moments(st.init, model)) is not None:
+        warmstart.seed_torch_adam(opt, warm)
     batches = task.batches(task.shard(0, 1, False, seed), world * st.batch_size, seed)
     evals_ = [(0, task.evaluate(model)["loss"])]
     t0 = time.monotonic()

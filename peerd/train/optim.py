@@ -288,6 +288,25 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 continue                   # identity mix: x' is already the answer
             x.sub_(x0).add_(m)
 
+    def seed_moments(self, warm: tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Start Adam from a warm start's moments and step count (peerd.train.warmstart) instead
+        of zeros, so that its first steps continue the warm start's run."""
+        if self.rule == "torch":
+            from peerd.train.warmstart import seed_torch_adam
+            seed_torch_adam(self.torch_inner, warm)
+            return
+        if self.rule not in ("adam", "adamw"):
+            raise ValueError(f"a warm start's Adam moments need inner optimizer adam or adamw, not {self.rule!r}")
+        step, by_param = warm
+        for key, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+            seg_bufs = self._state(key)
+            for p, e in zip(self.flat.params, self.layout.entries):
+                seg = next(i for i, s in enumerate(self.flat.segments)
+                           if s.offset <= e.offset < s.offset + s.numel * p.element_size())
+                lo = (e.offset - self.flat.segments[seg].offset) // p.element_size()
+                seg_bufs[seg][lo:lo + e.numel].copy_(by_param[id(p)][which].reshape(-1))
+        self.local_steps = step
+
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")}

@@ -233,6 +233,11 @@ class OuterOptimizer:
                 out.append(Piece(i, (a - r.offset) // size, (b - r.offset) // size))
         return out
 
+    def seed_moments(self, warm) -> None:
+        """Start the inner Adam from a warm start's moments (peerd.train.warmstart)."""
+        from peerd.train.warmstart import seed_torch_adam
+        seed_torch_adam(self.inner, warm)
+
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "x_start": self.x_start.clone(), "public": self.public.clone(),

@@ -38,6 +38,7 @@ from peerd.train.device import DEVICES, StagedExchange, make_engine, resolve_dev
 from peerd.train.optim import DecentralizedOptimizer
 from peerd.train.outer import OuterOptimizer
 from peerd.train.pace import Pace
+from peerd.train import warmstart
 from peerd.train.tasks import get_task
 from peerd.v1 import control_pb2 as cpb
 
@@ -214,8 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     elif args.init:
         load_init(model, args.init)
         log.info("initial weights from %s", args.init)
+    warm = warmstart.moments(args.init, model) if args.init and ckpt is None else None
     model.to(device)
     opt = make_optimizer(args, model, exchange, inner, defaults)
+    if warm is not None:
+        try:
+            opt.seed_moments(warm)
+            log.info("Adam moments from the warm start (its step %d)", warm[0])
+        except ValueError as e:
+            log.warning("the warm start's Adam moments are not used: %s", e)
     if ckpt is not None:
         start = opt.iteration  # where the daemon's run is now: never go back before it
         opt.load_state_dict(ckpt["optimizer"])
