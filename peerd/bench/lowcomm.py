@@ -74,6 +74,7 @@ def contenders(st: LowCommSettings) -> dict[str, list[str]]:
         # the outer step as plain averaging (outer lr 1, no momentum): local SGD every H steps
         "avg-all-int8": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--compress", "int8",
                          "--outer-lr", "1.0", "--outer-momentum", "0"],
+        "avg-all": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--outer-lr", "1.0", "--outer-momentum", "0"],
         "avg-ring-int8": ["--algo", "d-psgd", "--topology", "ring", *fixed, "--compress", "int8",
                           "--outer-lr", "1.0", "--outer-momentum", "0"],
         "straggler-fixed-h": ["--algo", "d-psgd", "--topology", "complete", *fixed, "--compress", "int8"],
