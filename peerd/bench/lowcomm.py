@@ -219,9 +219,11 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
     done = {(r["contender"], r["seed"]) for r in _read_jsonl(results)}
     prof = profile.load(profile_name)
     records = []
-    if "ddp-reference" in names and ("ddp-reference", 0) not in done:
-        echo("[ddp-reference] DDP's loss per step, in one process (its time: `peerd plan`)")
-        records.append(ddp_reference(st, len(prof.hosts), st.steps, echo=echo))
+    for seed in range(seeds) if "ddp-reference" in names else ():
+        if ("ddp-reference", seed) in done:
+            continue
+        echo(f"[ddp-reference / seed {seed}] DDP's loss per step, in one process (its time: the ddp runs' s/step)")
+        records.append(ddp_reference(st, len(prof.hosts), st.steps, seed=seed, echo=echo))
         with open(results, "a") as fh:
             fh.write(json.dumps(records[-1]) + "\n")
     names = [n for n in names if n != "ddp-reference"]
@@ -264,6 +266,7 @@ def table(records: list[dict[str, Any]], target: float | None = None) -> str:
     """Markdown: one row per contender (median over seeds where there are several); with
     `target`, times to that validation loss instead of the one the runs were made with."""
     by: dict[str, list[dict]] = {}
+    refs = {r["seed"]: r for r in records if r["contender"] == "ddp-reference"}
     for r in records:
         if r["contender"] == "ddp-reference":
             continue
@@ -275,8 +278,14 @@ def table(records: list[dict[str, Any]], target: float | None = None) -> str:
              "| MB sent/host/inner step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, rs in by.items():
         ttts = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
-        ttt = f"{statistics.median(ttts):.0f}" + ("" if len(ttts) == len(rs) else f" ({len(ttts)}/{len(rs)} reached)") \
+        spread = f" ({min(ttts):.0f}-{max(ttts):.0f})" if len(ttts) > 1 else ""
+        ttt = f"{statistics.median(ttts):.0f}{spread}" + ("" if len(ttts) == len(rs) else
+                                                         f" ({len(ttts)}/{len(rs)} reached)") \
             if ttts else f"not within {statistics.median(r['wall_s'] for r in rs):.0f}"
+        if name in DDP_CONTENDERS and len(ttts) < len(rs):
+            projected = [p for r in rs if (p := projected_ddp_time(r, refs.get(r["seed"]), target)) is not None]
+            if projected:
+                ttt += f"; ~{statistics.median(projected):.0f} projected"
         finals = [r["final_loss"] for r in rs if r["final_loss"] is not None]
         steps = [statistics.fmean(r["inner_steps"].values()) for r in rs]
         bps = [statistics.fmean(v for v in r["bytes_per_inner_step"].values() if v) for r in rs
@@ -286,6 +295,19 @@ def table(records: list[dict[str, Any]], target: float | None = None) -> str:
                      f"{statistics.median(bps) / 1e6:.3f} |" if finals and bps else f"| {name} | {len(rs)} | "
                      f"{ttt} | - | - | - | - |")
     return "\n".join(lines)
+
+
+def projected_ddp_time(run: dict[str, Any], ref: dict[str, Any] | None, target: float | None) -> float | None:
+    """A DDP run too short to reach the target: its measured seconds per step in the lab times the
+    steps the in-process reference (same math, same seed) took to reach it; None without both."""
+    if ref is None:
+        return None
+    target = run["target"] if target is None else target
+    step = next((s for s, v in ref["evals"] if v <= target), None)
+    steps = statistics.fmean(run["inner_steps"].values()) if run["inner_steps"] else 0
+    if step is None or not steps:
+        return None
+    return step * run["wall_s"] / steps
 
 
 def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
