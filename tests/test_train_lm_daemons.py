@@ -168,3 +168,26 @@ def test_gpt_example_script_trains_through_two_daemons(tmp_path, lm_cache):
     finally:
         for d in ds:
             d.stop()
+
+
+def test_a_warm_start_with_adams_moments_reaches_the_trainers_through_peerd_train(tmp_path, lm_cache):
+    """`peerd train --task gpt --init warm.pt` on two daemons: each trainer starts from the warm
+    start's weights and Adam moments (its log says so), and the run ends done."""
+    from peerd.train import warmstart
+
+    warm = tmp_path / "warm.pt"
+    warmstart.make(get_task("gpt", model_size="tiny", eval_tokens=512), 3, 4, warm, eval_every=3,
+                   echo=lambda s: None)
+    ds = start_swarm(tmp_path, 2)
+    try:
+        runs = run_train(ds, 2, 4, "d-psgd", ["--task", "gpt", "--model-size", "tiny", "--batch-size", "2",
+                                              "--eval-tokens", "512", "--eval-every", "2", "--init", str(warm),
+                                              "--device", "cpu"])
+        for d, recs in zip(ds, runs):
+            assert recs[-1]["state"] == "done"
+            log = next(d.data_dir.glob("trainer-*.log")).read_text()
+            assert f"initial weights from {warm}" in log and "Adam moments from the warm start (its step 3)" in log, \
+                log[-2000:]
+    finally:
+        for d in ds:
+            d.stop()

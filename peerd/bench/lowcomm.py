@@ -227,6 +227,8 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
         with open(results, "a") as fh:
             fh.write(json.dumps(records[-1]) + "\n")
     names = [n for n in names if n != "ddp-reference"]
+    if not names:
+        return records
     lab_dir = out / "lab"
     if lab_dir.exists():
         lab.down(lab_dir, cfg, purge=True)
@@ -315,13 +317,14 @@ def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
     """DDP's loss at the same gradient steps per host, computed in one process: DDP over `world`
     hosts with batch b each is, step for step, one model trained with batch world x b on the
     average of their gradients (here: on world x b windows of the whole corpus, which DDP's
-    shards together cover). Its time is the runtime model's (`peerd plan`), not measured."""
+    shards together cover). Its time: the lab ddp runs' seconds per step (`projected_ddp_time`)."""
     import torch
 
     from peerd.train import warmstart
     from peerd.train.tasks import get_task
     from peerd.train.worker import load_init
 
+    torch.set_num_threads(1)      # it may run beside a lab run: one core, as one host's trainer
     torch.manual_seed(seed)
     task = get_task("gpt", model_size=st.model_size, context=st.context, eval_tokens=st.eval_tokens)
     model = task.build(seed)
@@ -338,7 +341,7 @@ def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
         opt.zero_grad()
         task.loss(model, next(batches)).backward()
         opt.step()
-        if step % st.eval_every == 0 or step == steps:
+        if step % st.ddp_eval_every == 0 or step == steps:
             evals_.append((step, task.evaluate(model)["loss"]))
             echo(f"    ddp reference: step {step}, validation loss {evals_[-1][1]:.4f} "
                  f"({time.monotonic() - t0:.0f}s)")

@@ -208,27 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = Path(os.environ.get("PEERD_CHECKPOINT_DIR", "checkpoints"))
     inner, batch_size, defaults = optimizer_settings(task, args)
 
-    model = task.build(args.seed)
-    ckpt = load_checkpoint(ckpt_dir)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    elif args.init:
-        load_init(model, args.init)
-        log.info("initial weights from %s", args.init)
-    warm = warmstart.moments(args.init, model) if args.init and ckpt is None else None
-    model.to(device)
-    opt = make_optimizer(args, model, exchange, inner, defaults)
-    if warm is not None:
-        try:
-            opt.seed_moments(warm)
-            log.info("Adam moments from the warm start (its step %d)", warm[0])
-        except ValueError as e:
-            log.warning("the warm start's Adam moments are not used: %s", e)
-    if ckpt is not None:
-        start = opt.iteration  # where the daemon's run is now: never go back before it
-        opt.load_state_dict(ckpt["optimizer"])
-        opt.iteration = max(opt.iteration, start)
-        log.info("resumed from the checkpoint of iteration %d, continuing at %d", ckpt["iteration"], opt.iteration)
+    model, opt = build_model_and_optimizer(args, task, device, exchange, ckpt_dir, inner, defaults)
     if getattr(exchange, "join_note", ""):
         log.info("joined a running swarm: %s", exchange.join_note)
     rank, world = exchange.rank, exchange.world
@@ -297,6 +277,33 @@ def main(argv: list[str] | None = None) -> int:
     if trace is not None:
         trace.close()
     return 0
+
+
+def build_model_and_optimizer(args, task, device, exchange, ckpt_dir: Path, inner: str, defaults: dict):
+    """The model and its optimizer where this run stands: from our checkpoint (a restart), else from
+    `--init` (weights, and Adam's moments when the warm start has them), else from the seed."""
+    model = task.build(args.seed)
+    ckpt = load_checkpoint(ckpt_dir)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    elif args.init:
+        load_init(model, args.init)
+        log.info("initial weights from %s", args.init)
+    warm = warmstart.moments(args.init, model) if args.init and ckpt is None else None
+    model.to(device)
+    opt = make_optimizer(args, model, exchange, inner, defaults)
+    if warm is not None:
+        try:
+            opt.seed_moments(warm)
+            log.info("Adam moments from the warm start (its step %d)", warm[0])
+        except ValueError as e:
+            log.warning("the warm start's Adam moments are not used: %s", e)
+    if ckpt is not None:
+        start = opt.iteration  # where the daemon's run is now: never go back before it
+        opt.load_state_dict(ckpt["optimizer"])
+        opt.iteration = max(opt.iteration, start)
+        log.info("resumed from the checkpoint of iteration %d, continuing at %d", ckpt["iteration"], opt.iteration)
+    return model, opt
 
 
 def optimizer_settings(task, args) -> tuple[str, int, dict]:
