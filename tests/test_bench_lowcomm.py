@@ -21,24 +21,29 @@ def _run(name: str, seed: int, evals: dict, steps: int, wall: float, target: flo
             "inner_steps": dict.fromkeys(evals, steps), "bytes_per_inner_step": dict.fromkeys(evals, 1e6)}
 
 
-def test_time_to_target_waits_for_the_mean_of_every_hosts_latest_evaluation():
-    per_host = {"a": [(10.0, 2.7), (20.0, 2.5)], "b": [(12.0, 2.8), (25.0, 2.6), (30.0, 2.4)]}
-    assert lowcomm.time_to_target(per_host, 2.55, 0.0) == 25.0     # (2.5 + 2.6) / 2
-    assert lowcomm.time_to_target(per_host, 2.45, 5.0) == 25.0     # (2.5 + 2.4) / 2 at t=30, from t0=5
+def test_time_to_target_waits_for_the_mean_of_every_hosts_latest_evaluations():
+    per_host = {"a": [(10.0, 2.7), (11.0, 2.7), (20.0, 2.5)], "b": [(12.0, 2.8), (25.0, 2.6), (30.0, 2.4)]}
+    # one evaluation per host: the first time the mean of the latest ones is low enough
+    assert lowcomm.time_to_target(per_host, 2.55, 0.0, smooth=1) == 25.0     # (2.5 + 2.6) / 2
+    assert lowcomm.time_to_target(per_host, 2.45, 5.0, smooth=1) == 25.0     # (2.5 + 2.4) / 2 at t=30, from t0=5
+    # two (the default): a's repeated progress line counts once; b's first pair is (2.8, 2.6)
+    assert lowcomm.time_to_target(per_host, 2.66, 0.0) == 25.0               # (2.6 + 2.7) / 2
+    assert lowcomm.time_to_target(per_host, 2.55, 0.0) == 30.0               # (2.6 + 2.5) / 2
     assert lowcomm.time_to_target(per_host, 2.3, 0.0) is None
 
 
 def test_table_gives_medians_and_ranges_over_seeds_and_projects_a_short_ddp_run():
-    recs = [_run("avg", s, {"a": [(0, 2.7), (t, 2.5)], "b": [(0, 2.7), (t, 2.5)]}, 60, 300.0)
+    recs = [_run("avg", s, {"a": [(0, 2.7), (t, 2.5)], "b": [(0, 2.7), (t, 2.5)]}, 60, 300.0)  # 2.6 at t
             for s, t in enumerate((100.0, 120.0, 140.0))]
-    for s in range(3):   # DDP: 10 steps in 300 s (30 s/step), never at 2.6; its reference reaches it at step 20
+    for s in range(3):   # DDP: 10 steps in 300 s (30 s/step), never at 2.6; its reference (smoothed) reaches it at step 30
         recs.append(_run("ddp", s, {"a": [(0, 2.7), (300, 2.65)], "b": [(0, 2.7), (300, 2.65)]}, 10, 300.0))
-        recs.append({"contender": "ddp-reference", "seed": s, "evals": [(0, 2.7), (10, 2.65), (20, 2.6)]})
+        recs.append({"contender": "ddp-reference", "seed": s,
+                     "evals": [(0, 2.7), (10, 2.65), (20, 2.6), (30, 2.55)]})
     table = lowcomm.table(recs, target=2.6).splitlines()
     avg = next(line for line in table if line.startswith("| avg "))
     ddp = next(line for line in table if line.startswith("| ddp "))
     assert "| 3 | 120 (100-140) |" in avg
-    assert "not within 300; ~600 projected" in ddp
+    assert "not within 300; ~900 projected" in ddp
     assert not any("ddp-reference" in line for line in table)
 
 
