@@ -429,7 +429,6 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
     Bounds come from the config (PEERD_* environment): bench_run_timeout, bench_gloo_timeout,
     bench_swarm_timeout, lab_ready_timeout (raise it on a loaded machine)."""
     import shlex
-    import signal
     import time
     from pathlib import Path
 
@@ -452,15 +451,7 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
                f"{', non-iid shards' if st.non_iid else ''}"
                f"{', swarm budget for asynchronous contenders' if st.async_budget == 'swarm' else ''}"
                f"{', daemons with ' + st.daemon_args if st.daemon_args else ''}")
-    def interrupted(signum, frame) -> None:
-        # SIGTERM unwinds like Ctrl+C (a background job ignores SIGINT): the running contender's
-        # processes are killed and the lab taken down; a second signal must not cut that short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupted)
-    signal.signal(signal.SIGINT, interrupted)
+    _unwind_on_signals()
     cfg = config.load()
     if quick:   # 30 minutes: no waiting minutes per lab for the link probing to settle
         cfg = cfg.replace(bench_settle_timeout=0.0)
@@ -473,6 +464,20 @@ def scenarios_cmd(quick: bool, json_file: str | None, out_dir: str | None, seeds
         raise click.ClickException(f"interrupted; the lab is down, and the same command resumes {out}") from None
     click.echo("\n" + report.table(recs))
     click.echo(f"plots and report.md: peerd report {out}")
+
+
+def _unwind_on_signals() -> None:
+    """SIGTERM unwinds like Ctrl+C (a background job ignores SIGINT): the running contender's
+    processes are killed and the lab taken down; a second signal must not cut that short."""
+    import signal
+
+    def interrupted(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
 
 
 @bench.command("retime")
@@ -595,11 +600,14 @@ def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_s
     st = lowcomm.LowCommSettings(init=str(Path(init_path).absolute()), steps=steps, inner_steps=inner_steps,
                                  step_time=step_time, target=target, wall_limit=wall_limit, ddp_steps=ddp_steps,
                                  daemon_args=tuple(daemon_args))
+    _unwind_on_signals()
     try:
         records = lowcomm.run([c.strip() for c in contenders.split(",") if c.strip()], seeds, st, Path(out_dir),
                               straggler, echo=lambda s: click.echo(s, err=True))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; the lab is down, and the same command resumes {out_dir}") from None
     click.echo(lowcomm.table(records))
 
 
