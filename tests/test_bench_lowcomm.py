@@ -38,12 +38,13 @@ def test_table_gives_medians_and_ranges_over_seeds_and_projects_a_short_ddp_run(
     for s in range(3):   # DDP: 10 steps in 300 s (30 s/step), never at 2.6; its reference (smoothed) reaches it at step 30
         recs.append(_run("ddp", s, {"a": [(0, 2.7), (300, 2.65)], "b": [(0, 2.7), (300, 2.65)]}, 10, 300.0))
         recs.append({"contender": "ddp-reference", "seed": s,
-                     "evals": [(0, 2.7), (10, 2.65), (20, 2.6), (30, 2.55)]})
+                     "evals": [(0, 2.7), (10, 2.65), (20, 2.6), (30, 2.55)], "final_loss": 2.55, "steps": 30})
     table = lowcomm.table(recs, target=2.6).splitlines()
     avg = next(line for line in table if line.startswith("| avg "))
     ddp = next(line for line in table if line.startswith("| ddp "))
     assert "| 3 | 120 (100-140) |" in avg
     assert "not within 300; ~900 projected" in ddp
+    assert "| 2.6500 (30 steps, in-process: 2.5500) |" in ddp     # its loss at the others' step count
     assert not any("ddp-reference" in line for line in table)
 
 

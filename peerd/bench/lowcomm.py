@@ -312,10 +312,14 @@ def table(records: list[dict[str, Any]], target: float | None = None) -> str:
             if projected:
                 ttt += f"; ~{statistics.median(projected):.0f} projected"
         finals = [r["final_loss"] for r in rs if r["final_loss"] is not None]
+        final = f"{statistics.median(finals):.4f}" if finals else "-"
+        ref = [refs[r["seed"]] for r in rs if "final_loss" in refs.get(r["seed"], {})]
+        if name in DDP_CONTENDERS and ref:   # its loss at the other contenders' step count
+            final += f" ({ref[0]['steps']} steps, in-process: {statistics.median(x['final_loss'] for x in ref):.4f})"
         steps = [statistics.fmean(r["inner_steps"].values()) for r in rs]
         bps = [statistics.fmean(v for v in r["bytes_per_inner_step"].values() if v) for r in rs
                if any(r["bytes_per_inner_step"].values())]
-        lines.append(f"| {name} | {len(rs)} | {ttt} | {statistics.median(finals):.4f} | "
+        lines.append(f"| {name} | {len(rs)} | {ttt} | {final} | "
                      f"{statistics.median(r['wall_s'] for r in rs):.0f} | {statistics.median(steps):.0f} | "
                      f"{statistics.median(bps) / 1e6:.3f} |" if finals and bps else f"| {name} | {len(rs)} | "
                      f"{ttt} | - | - | - | - |")
