@@ -310,7 +310,8 @@ def table(records: list[dict[str, Any]], target: float | None = None) -> str:
         if name in DDP_CONTENDERS and len(ttts) < len(rs):
             projected = [p for r in rs if (p := projected_ddp_time(r, refs.get(r["seed"]), target)) is not None]
             if projected:
-                ttt += f"; ~{statistics.median(projected):.0f} projected"
+                ttt += f"; ~{statistics.median(projected):.0f} projected" + (
+                    "" if len(projected) == len(rs) else f" ({len(projected)}/{len(rs)}: the others' references never reach it)")
         finals = [r["final_loss"] for r in rs if r["final_loss"] is not None]
         final = f"{statistics.median(finals):.4f}" if finals else "-"
         ref = [refs[r["seed"]] for r in rs if "final_loss" in refs.get(r["seed"], {})]
