@@ -87,10 +87,8 @@ def test_the_ddp_baseline_trains_the_gpt_from_a_warm_start_with_adams_moments(tm
     model = task.build(0)
     state = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
     ref = task.build(0)
-    from peerd.train.worker import load_init
-    load_init(ref, warm)
     opt = torch.optim.AdamW(ref.parameters(), lr=task.defaults["lr"], betas=task.defaults["betas"], weight_decay=0.0)
-    warmstart.seed_torch_adam(opt, warmstart.moments(warm, ref))
+    warmstart.seed_torch_adam(opt, warmstart.load_init(ref, warm))
     shards = [task.batches(task.shard(r, 2, False, 0), 2, 0) for r in range(2)]
     for _ in range(4):
         opt.zero_grad()

@@ -292,7 +292,7 @@ def test_peerd_train_shows_bits_per_byte_for_the_gpt_task():
 
 
 def test_init_weights_from_a_state_dict_or_a_checkpoint(tmp_path):
-    from peerd.train.worker import load_init
+    from peerd.train.warmstart import load_init
     src = GPT(preset("tiny"))
     torch.save(src.state_dict(), tmp_path / "w.pt")
     torch.save({"iteration": 7, "model": src.state_dict(), "optimizer": {}}, tmp_path / "latest.pt")
@@ -311,7 +311,7 @@ def test_a_warm_start_carries_adams_moments_so_training_continues_where_it_stopp
     land where 7 uninterrupted steps of torch's Adam land. Without the moments they would not."""
     from peerd.train import warmstart
     from peerd.train.outer import OuterOptimizer
-    from peerd.train.worker import load_init
+    from peerd.train.warmstart import load_init
 
     torch.set_num_threads(1)
     path = tmp_path / "warm.pt"
@@ -329,10 +329,10 @@ def test_a_warm_start_carries_adams_moments_so_training_continues_where_it_stopp
 
     def resumed(make_opt, moments: bool) -> nn.Module:
         model = tiny.build(1)                       # other weights: the file must replace them
-        load_init(model, path)
+        warm = load_init(model, path)
         o = make_opt(model, LocalGroup(1).worker(0))
         if moments:
-            o.seed_moments(warmstart.moments(path, model))
+            o.seed_moments(warm)
         for b in batches[4:]:
             o.zero_grad()
             tiny.loss(model, b).backward()
@@ -357,13 +357,13 @@ def test_a_warm_start_of_another_model_or_without_moments_is_named(tiny, tmp_pat
 
     bare = tmp_path / "bare.pt"
     torch.save(tiny.build(0).state_dict(), bare)
-    assert warmstart.moments(bare, tiny.build(0)) is None
+    assert warmstart.load_init(tiny.build(0), bare) is None
     path = tmp_path / "warm.pt"
     warmstart.make(tiny, 1, 2, path, eval_every=1, echo=lambda s: None)
     other = get_task("gpt", model_size="tiny", context=64, cache_dir=tiny.cache_dir)
-    with pytest.raises(ValueError, match="pos"):
-        warmstart.moments(path, other.build(0))
+    with pytest.raises(RuntimeError, match="pos"):      # the weights of another context: named
+        warmstart.load_init(other.build(0), path)
     with pytest.raises(ValueError, match="adam or adamw"):
         opt_model = tiny.build(0)
         DecentralizedOptimizer(opt_model.parameters(), LocalGroup(1).worker(0), "sgd", lr=0.1).seed_moments(
-            warmstart.moments(path, opt_model))
+            warmstart.load_init(opt_model, path))

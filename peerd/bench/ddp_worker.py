@@ -31,7 +31,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from peerd.train.pace import Pace
 from peerd.train import warmstart
 from peerd.train.tasks import get_task
-from peerd.train.worker import load_init
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     module = task.build(args.seed)
     warm = None
     if args.init:
-        load_init(module, args.init)
-        warm = warmstart.moments(args.init, module)
+        warm = warmstart.load_init(module, args.init)
     model = DDP(module)
     if inner == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0),

@@ -351,17 +351,16 @@ def ddp_reference(st: LowCommSettings, world: int, steps: int, seed: int = 0,
 
     from peerd.train import warmstart
     from peerd.train.tasks import get_task
-    from peerd.train.worker import load_init
 
     torch.set_num_threads(1)      # it may run beside a lab run: one core, as one host's trainer
     torch.manual_seed(seed)
     task = get_task("gpt", model_size=st.model_size, context=st.context, eval_tokens=st.eval_tokens)
     model = task.build(seed)
-    load_init(model, st.init)
+    warm = warmstart.load_init(model, st.init)
     d = task.defaults
     opt = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=d.get("betas", (0.9, 0.999)),
                             weight_decay=d.get("weight_decay", 0.0))
-    if (warm := warmstart.moments(st.init, model)) is not None:
+    if warm is not None:
         warmstart.seed_torch_adam(opt, warm)
     batches = task.batches(task.shard(0, 1, False, seed), world * st.batch_size, seed)
     evals_ = [(0, task.evaluate(model)["loss"])]

@@ -7,7 +7,7 @@ gpt) before it recovers; every contender pays that shock and a short benchmark m
 
 The file: {"model": state_dict, "adam": {"step": t, "exp_avg": {name: tensor}, "exp_avg_sq":
 {name: tensor}}, "meta": {...}}. `--init` takes it (or a bare state_dict, or a trainer checkpoint:
-weights only). `moments()` returns the moments in the model's parameter order for
+weights only). `load_init()` loads the weights and returns the moments for
 `DecentralizedOptimizer.seed_moments`, `OuterOptimizer.seed_moments` and the DDP baseline.
 """
 from __future__ import annotations
@@ -28,10 +28,14 @@ log = logging.getLogger("peerd.train.warmstart")
 Moments = tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
-def moments(path: str | Path, model: torch.nn.Module) -> Moments | None:
-    """The warm start's Adam moments for each parameter of `model`, or None when the file carries
-    none. A file of another model fails, naming the parameter."""
+def load_init(model: torch.nn.Module, path: str | Path) -> Moments | None:
+    """Start `model` from the weights in `path` (a warm start, a state_dict, or a trainer
+    checkpoint's "model"; strict: a file of another model size fails, naming the parameters) and
+    return the warm start's Adam moments for its parameters, or None when the file has none. One
+    read of the file for both."""
     state = torch.load(path, map_location="cpu", weights_only=True)
+    weights = state["model"] if isinstance(state, dict) and isinstance(state.get("model"), dict) else state
+    model.load_state_dict(weights)
     adam = state.get("adam") if isinstance(state, dict) else None
     if not adam:
         return None

@@ -99,16 +99,6 @@ def load_checkpoint(directory: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_init(model: torch.nn.Module, path: str | Path) -> None:
-    """Start from the weights in ``path``: a state_dict, or a trainer checkpoint (its "model"),
-    e.g. a warm start shared by every contender of a benchmark. Strict: a file of another model
-    size fails here, naming the parameters that differ."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    model.load_state_dict(state)
-
-
 def apply_directives(exchange, opt: DecentralizedOptimizer, checkpoint, pause_timeout: float) -> bool:
     """Honour the pending directives at an iteration boundary; False: stop now (after a checkpoint).
 
@@ -286,10 +276,10 @@ def build_model_and_optimizer(args, task, device, exchange, ckpt_dir: Path, inne
     ckpt = load_checkpoint(ckpt_dir)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-    elif args.init:
-        load_init(model, args.init)
+    warm = None
+    if ckpt is None and args.init:
+        warm = warmstart.load_init(model, args.init)
         log.info("initial weights from %s", args.init)
-    warm = warmstart.moments(args.init, model) if args.init and ckpt is None else None
     model.to(device)
     opt = make_optimizer(args, model, exchange, inner, defaults)
     if warm is not None:
