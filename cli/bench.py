@@ -579,6 +579,7 @@ def tls_bench(sizes: str, reps: int, as_json: bool) -> None:
 @click.option("--steps", default=60, show_default=True, help="inner steps per host (DiLoCo: STEPS / H rounds)")
 @click.option("--inner-steps", default=10, show_default=True, help="H of the DiLoCo contenders")
 @click.option("--step-time", default=2.5, show_default=True, help="paced seconds per inner step")
+@click.option("--batch-size", default=2, show_default=True, help="per host and inner step (DDP's batch: hosts x this)")
 @click.option("--target", default=2.60, show_default=True, help="validation loss to reach (nats per byte)")
 @click.option("--wall-limit", default=900.0, show_default=True, help="seconds after which a run is stopped")
 @click.option("--ddp-steps", default=0, show_default=True,
@@ -588,7 +589,7 @@ def tls_bench(sizes: str, reps: int, as_json: bool) -> None:
 @click.option("--daemon-arg", "daemon_args", multiple=True,
               help="extra flag for every lab daemon (repeatable), e.g. --daemon-arg=--train-mix-timeout=240")
 def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_steps: int, step_time: float,
-                target: float, wall_limit: float, ddp_steps: int, straggler: str, out_dir: str,
+                batch_size: int, target: float, wall_limit: float, ddp_steps: int, straggler: str, out_dir: str,
                 daemon_args: tuple[str, ...]) -> None:
     """The low-communication mode against today's algorithms with the 25M gpt on the two-sites lab
     (root): time to a target validation loss, final loss, bytes per host per inner step
@@ -598,7 +599,7 @@ def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_s
     from peerd.bench import lowcomm
 
     st = lowcomm.LowCommSettings(init=str(Path(init_path).absolute()), steps=steps, inner_steps=inner_steps,
-                                 step_time=step_time, target=target, wall_limit=wall_limit, ddp_steps=ddp_steps,
+                                 step_time=step_time, batch_size=batch_size, target=target, wall_limit=wall_limit, ddp_steps=ddp_steps,
                                  daemon_args=tuple(daemon_args))
     _unwind_on_signals()
     try:
