@@ -599,8 +599,8 @@ def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_s
     from peerd.bench import lowcomm
 
     st = lowcomm.LowCommSettings(init=str(Path(init_path).absolute()), steps=steps, inner_steps=inner_steps,
-                                 step_time=step_time, batch_size=batch_size, target=target, wall_limit=wall_limit, ddp_steps=ddp_steps,
-                                 daemon_args=tuple(daemon_args))
+                                 step_time=step_time, batch_size=batch_size, target=target, wall_limit=wall_limit,
+                                 ddp_steps=ddp_steps, daemon_args=tuple(daemon_args))
     _unwind_on_signals()
     try:
         records = lowcomm.run([c.strip() for c in contenders.split(",") if c.strip()], seeds, st, Path(out_dir),
