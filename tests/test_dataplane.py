@@ -296,6 +296,27 @@ def test_layout_of_the_run_is_enforced():
     run(main())
 
 
+def test_a_link_probe_is_checked_and_dropped_without_a_receive_buffer():
+    from peerd.node.links_service import _tiled
+    block = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    pieces = _tiled(tw.byte_view(block), 25_000)     # views of the block, no copy
+    assert [len(p) for p in pieces] == [10_000, 10_000, 5_000]
+    probe = Outgoing(tw.Layout.flat(25_000, "probe"), pieces, (block,))
+
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            await a.push(b, probe, kind="probe")
+            rec = await take(b)
+            assert rec.sunk and rec.buffer.numel() == 0 and rec.wire_bytes == 25_000
+            rec.release()
+            assert b.dp.pool.allocated == 0 and b.dp.budget.used_total == 0
+            frames, _ = good_frames(kind="probe")      # a wrong checksum still fails the transfer
+            frames[-1] = frames[-1][:-1] + bytes([frames[-1][-1] ^ 1])
+            code, details = await raw_push(a.channel(b), frames)
+            assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
+    run(main())
+
+
 def test_byte_budget_bounds_held_memory_and_waits_bounded():
     cfg = SMALL.replace(dataplane_peer_bytes=100_000, dataplane_total_bytes=150_000)
 

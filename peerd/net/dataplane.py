@@ -68,6 +68,9 @@ KINDS = frozenset({"model", "probe", "state", "carry"})
 # kinds whose receive buffers are freed, not pooled: link probes come in ever different sizes,
 # and the exact-size pool would fill with them up to dataplane_pool_bytes
 UNPOOLED_KINDS = frozenset({"probe"})
+# kinds whose bytes are checked (framing, checksum) and dropped as they come: a link probe is
+# only timed, and a 64 MiB receive buffer for it is memory a big model needs
+DISCARDED_KINDS = frozenset({"probe"})
 UPDATE_KINDS = frozenset({"model", "carry"})   # a run's updates (pushed, or carried to a puller)
 # refusals that are the sending peer's fault, not the network's: reported to on_offence
 OFFENCES = frozenset({"layout_mismatch"})
@@ -266,6 +269,19 @@ class Sink:
 
     def abort(self, why: str) -> None:
         raise NotImplementedError
+
+
+class Discard(Sink):
+    """A transfer whose bytes only need to arrive intact (DISCARDED_KINDS): nothing is kept."""
+
+    async def chunk(self, offset: int, data: memoryview) -> None:
+        pass
+
+    async def finish(self) -> None:
+        return None
+
+    def abort(self, why: str) -> None:
+        pass
 
 
 # ---- memory: pool and budget -----------------------------------------------------------------
@@ -589,7 +605,12 @@ class DataPlane:
             if why := self.copies.base_error(h):     # refused before its bytes come: a keyframe follows
                 raise TransferError("copy_base", why, grpc.StatusCode.FAILED_PRECONDITION)
         coded = plan is not None or wire_bytes != layout.nbytes
-        sink = self.sink_for(h, peer) if self.sink_for is not None and not coded else None
+        if coded:
+            sink = None
+        elif _base_kind(h.kind) in DISCARDED_KINDS:
+            sink = Discard()
+        else:
+            sink = self.sink_for(h, peer) if self.sink_for is not None else None
         if sink is not None:
             return _Assembly(self, peer, h, layout, None, None, 0, sink)
         need = layout.nbytes + (wire_bytes if coded else 0)

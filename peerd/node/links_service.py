@@ -166,9 +166,9 @@ class LinkService:
         return took
 
     async def _payload(self, nbytes: int) -> Outgoing:
-        """`nbytes` of random data with its checksum, ready to push (views of one shared buffer).
-        Payloads above PAYLOAD_KEEP_BYTES are made for one probe and dropped: big probes are rare
-        once the links are measured, and a 64 MiB buffer kept for them is memory a big model needs."""
+        """`nbytes` of random data with its checksum, ready to push (views of one shared buffer:
+        payloads above PAYLOAD_KEEP_BYTES repeat it). The small ones are kept with their checksums;
+        a big one is checksummed for each probe (big probes are rare once the links are measured)."""
         out = self._payloads.get(nbytes)
         if out is not None:
             self._payloads.move_to_end(nbytes)
@@ -177,8 +177,8 @@ class LinkService:
             if self._random is None or self._random.numel() < PAYLOAD_KEEP_BYTES:
                 self._random = await asyncio.to_thread(_random_bytes, PAYLOAD_KEEP_BYTES)
                 self._payloads.clear()
-            out = Outgoing.from_buffer(await asyncio.to_thread(_tiled, self._random, nbytes),
-                                       tw.Layout.flat(nbytes, PROBE_KIND))
+            out = Outgoing(tw.Layout.flat(nbytes, PROBE_KIND), _tiled(tw.byte_view(self._random), nbytes),
+                           (self._random,))
             await self.seal(out)
             return out
         if self._random is None or self._random.numel() < nbytes:
@@ -247,12 +247,10 @@ def _random_bytes(n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
 
 
-def _tiled(block: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """A big probe's payload: the kept random block repeated (a period of PAYLOAD_KEEP_BYTES is
-    beyond what a link's compression could exploit). Drawing 64 MiB of random numbers for each
-    big probe cost a loopback daemon a tenth of its CPU while a 100 MB model trained."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    for start in range(0, nbytes, block.numel()):
-        n = min(block.numel(), nbytes - start)
-        out[start:start + n] = block[:n]
-    return out
+def _tiled(block: memoryview, nbytes: int) -> list[memoryview]:
+    """A big probe's payload: views of the kept random block, repeated (a period of
+    PAYLOAD_KEEP_BYTES is beyond what a link's compression could exploit). No copy: drawing 64 MiB
+    of random numbers for each big probe cost a loopback daemon a tenth of its CPU while a 100 MB
+    model trained, and a 64 MiB buffer made for each probe is memory the model needs."""
+    whole, rest = divmod(nbytes, len(block))
+    return [block] * whole + ([block[:rest]] if rest else [])
