@@ -368,15 +368,16 @@ def control(params: int, iterations: int, as_json: bool, copy_publish: bool, set
               help="also write one JSON record per case to this file")
 @click.option("--daemon-arg", "daemon_args", multiple=True, help="extra flag for every daemon (repeatable)")
 def size_cmd(cases: tuple[str, ...], iterations: int, json_file: str | None, daemon_args: tuple[str, ...]) -> None:
-    """Models of 1 MB to 1 GB through the daemon, against plain TCP moving the same bytes.
+    """Models of 1 MB to 1 GB through the daemon, against plain TCP and plain gRPC moving the same bytes.
 
     For each case: that many daemons on loopback, a zero-compute trainer on each (publish, mix, copy
-    back) with D-PSGD; then plain TCP between processes over the same graph doing the same weighted
-    sum. Prints seconds per iteration, peak memory of daemons and trainers (x the model), the
+    back) with D-PSGD; then plain TCP, then plain gRPC streams (the floor of a transport on gRPC),
+    between processes over the same graph doing the same weighted sum. Prints seconds per iteration, peak memory of daemons and trainers (x the model), the
     daemons' event-loop lag, peers marked suspect and partial mixes."""
     import json as jsonlib
 
     from peerd.bench import size
+    from peerd.config import load
 
     if not cases:
         cases = tuple(f"{t}:{n}:{mb}MB" for mb in (1, 10, 100, 400) for t, n in (("ring", 3), ("complete", 4))) \
@@ -388,7 +389,8 @@ def size_cmd(cases: tuple[str, ...], iterations: int, json_file: str | None, dae
             parsed.append(size.Case(int(hosts), topo, parse_size(sz)))
         except ValueError:
             raise click.BadParameter(f"{c!r}: expected TOPOLOGY:HOSTS:SIZE, e.g. ring:3:100MB") from None
-    results = size.run(parsed, iterations, echo=lambda m: click.echo(m, err=True), daemon_args=list(daemon_args))
+    results = size.run(parsed, iterations, echo=lambda m: click.echo(m, err=True), daemon_args=list(daemon_args),
+                       chunk_bytes=load().dataplane.chunk_bytes)
     if json_file:
         with open(json_file, "a") as fh:
             for r in results:

@@ -1,12 +1,13 @@
-"""`peerd bench size`: how the daemon moves models of 1 MB to 1 GB, against plain TCP.
+"""`peerd bench size`: how the daemon moves models of 1 MB to 1 GB, against plain TCP and gRPC.
 
 For each case (hosts on a topology, a model size) it starts that many daemons on loopback, runs a
-zero-compute trainer on each (peerd.train.benchsize: publish, mix, copy back) with D-PSGD, and
-then plain TCP moving the same bytes over the same graph and doing the same weighted sum
-(peerd.bench.rawtcp), one after the other on the same machine. It reports seconds per iteration
-(the trainer's publish, its wait for the mix, its copy back; the daemon's snapshot copy, update
-checks and weighted sums), peak resident memory of every daemon and trainer, the daemons' event
-loop lag (p99), peers marked suspect, and partial mixes.
+zero-compute trainer on each (peerd.train.benchsize: publish, mix, copy back) with D-PSGD, then
+moves the same bytes over the same graph with the same weighted sum over plain TCP
+(peerd.bench.rawtcp) and over plain gRPC streams (peerd.bench.rawgrpc: the floor of any transport
+on gRPC, which peerd's tensors use), one after the other on the same machine. It reports seconds
+per iteration (the trainer's publish, its wait for the mix, its copy back; the daemon's snapshot
+copy, update checks and weighted sums), peak resident memory of every daemon and trainer, the
+daemons' event loop lag (p99), peers marked suspect, and partial mixes.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ class Result:
     tcp_wire_s: float | None = None
     tcp_total_s: float | None = None                  # wire + the weighted sum
     tcp_rss: list[int] = field(default_factory=list)
+    grpc_wire_s: float | None = None                  # the same over plain gRPC streams (peerd.bench.rawgrpc)
+    grpc_total_s: float | None = None
+    grpc_rss: list[int] = field(default_factory=list)
     error: str = ""
 
     def record(self) -> dict[str, Any]:
@@ -68,6 +72,8 @@ class Result:
         d["case"] = {**asdict(self.case), "name": self.case.name}
         if self.peerd_s and self.tcp_total_s:
             d["ratio_to_tcp"] = self.peerd_s / self.tcp_total_s
+        if self.peerd_s and self.grpc_total_s:
+            d["ratio_to_grpc"] = self.peerd_s / self.grpc_total_s
         return d
 
 
@@ -139,27 +145,52 @@ def run_peerd(case: Case, iterations: int, root: Path, echo: Callable[[str], Non
     return res
 
 
-def run_tcp(res: Result, iterations: int) -> None:
+def _baseline(res: Result, module: str, iterations: int, *extra: str) -> list[dict] | None:
+    """Run `module`'s workers (peerd.bench.rawtcp or rawgrpc) for res.case; their JSON lines, or
+    None with res.error set."""
     case = res.case
     port_base = 20000 + (os.getpid() % 2000) * 8
-    procs = [subprocess.Popen([sys.executable, "-m", "peerd.bench.rawtcp", str(i), str(case.hosts), case.topology,
-                               str(case.nbytes), str(iterations), str(port_base)],
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(i), str(case.hosts), case.topology,
+                               str(case.nbytes), str(iterations), str(port_base), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(case.hosts)]
-    outs = []
+    outs, failed = [], ""
     for p in procs:
-        out, err = p.communicate(timeout=120 + 10 * iterations * max(1.0, case.nbytes / 100e6))
+        try:
+            out, err = p.communicate(timeout=120 + 10 * iterations * max(1.0, case.nbytes / 100e6))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            failed = failed or f"{module} worker timed out: {err.strip()[-300:]}"
+            continue
         if p.returncode != 0:
-            res.error = (res.error + "; " if res.error else "") + f"raw TCP worker failed: {err.strip()[-300:]}"
-            return
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    res.tcp_wire_s = max(statistics.median(o["wire_s"][WARMUP:] or o["wire_s"]) for o in outs)
-    res.tcp_total_s = max(statistics.median(o["total_s"][WARMUP:] or o["total_s"]) for o in outs)
-    res.tcp_rss = [o["peak_rss_bytes"] for o in outs]
+            failed = failed or f"{module} worker failed: {err.strip()[-300:]}"
+        else:
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    if failed:
+        res.error = (res.error + "; " if res.error else "") + failed
+        return None
+    return outs
+
+
+def _slowest(outs: list[dict], key: str) -> float:
+    return max(statistics.median(o[key][WARMUP:] or o[key]) for o in outs)
+
+
+def run_tcp(res: Result, iterations: int) -> None:
+    if outs := _baseline(res, "peerd.bench.rawtcp", iterations):
+        res.tcp_wire_s, res.tcp_total_s = _slowest(outs, "wire_s"), _slowest(outs, "total_s")
+        res.tcp_rss = [o["peak_rss_bytes"] for o in outs]
+
+
+def run_grpc(res: Result, iterations: int, chunk_bytes: int) -> None:
+    if outs := _baseline(res, "peerd.bench.rawgrpc", iterations, str(chunk_bytes)):
+        res.grpc_wire_s, res.grpc_total_s = _slowest(outs, "wire_s"), _slowest(outs, "total_s")
+        res.grpc_rss = [o["peak_rss_bytes"] for o in outs]
 
 
 def run(cases: list[Case], iterations: int, echo: Callable[[str], None] = print,
-        daemon_args: list[str] | None = None) -> list[Result]:
+        daemon_args: list[str] | None = None, chunk_bytes: int = 1 << 20) -> list[Result]:
     results = []
     for case in cases:
         echo(f"== {case.name}: {case.hosts} daemons, D-PSGD, {iterations} iterations")
@@ -170,6 +201,8 @@ def run(cases: list[Case], iterations: int, echo: Callable[[str], None] = print,
                  f"({time.monotonic() - t0:.0f} s){'; ' + res.error if res.error else ''}")
         run_tcp(res, iterations)
         echo(f"   raw TCP {res.tcp_total_s if res.tcp_total_s is None else round(res.tcp_total_s, 3)} s/iter")
+        run_grpc(res, iterations, chunk_bytes)
+        echo(f"   plain gRPC {res.grpc_total_s if res.grpc_total_s is None else round(res.grpc_total_s, 3)} s/iter")
         results.append(res)
     return results
 
@@ -180,6 +213,7 @@ def _mb(n: float | None) -> str:
 
 def table(results: list[Result]) -> str:
     head = ("| case | peerd s/iter | publish | wait for mix | copy back | raw TCP (+ sum) | ratio | "
+            "plain gRPC (+ sum) | ratio | "
             "daemon peak RSS MB (x model) | trainer peak RSS MB | loop lag p99 ms | suspects | partial mixes |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -194,6 +228,8 @@ def table(results: list[Result]) -> str:
         rows.append(f"| {c.name} | {f(r.peerd_s)} | {f(r.publish_s)} | {f(r.mix_wait_s)} | {f(r.copy_back_s)} | "
                     f"{f(r.tcp_wire_s)} ({f(r.tcp_total_s)}) | "
                     f"{'-' if not (r.peerd_s and r.tcp_total_s) else f'{r.peerd_s / r.tcp_total_s:.2f}x'} | "
+                    f"{f(r.grpc_wire_s)} ({f(r.grpc_total_s)}) | "
+                    f"{'-' if not (r.peerd_s and r.grpc_total_s) else f'{r.peerd_s / r.grpc_total_s:.2f}x'} | "
                     f"{_mb(rss)} ({rss / c.nbytes:.1f}x) | {_mb(max(r.trainer_rss, default=0))} | {lag:.0f} | {sus} | "
                     f"{partial} of {total} |" + (f" {r.error}" if r.error else ""))
     return "\n".join(rows)
