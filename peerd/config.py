@@ -323,6 +323,10 @@ class TrainConfig:
     sum_wait: float = _f(1.0, "with sum_on_arrival, seconds an update of an iteration not yet published here "
                               "waits (its stream held) for the slot its mix will use, before it is summed in a "
                               "scratch buffer (one more model's worth of memory)")
+    attach_wait: float = _f(5.0, "with sum_on_arrival, seconds a neighbour's update that arrives before this "
+                                 "host's trainer attached waits for it (its stream held), so that it is summed "
+                                 "as it arrives instead of held whole (one model's worth of memory per early "
+                                 "neighbour); less than dataplane_stall_timeout")
     slot_wait: float = _f(0.25, "seconds a Mix reply may wait for our pushes of that iteration to end, where "
                                 "they stream straight from the trainer's slot, before they go on from a copy "
                                 "(one model's worth of memory and a copy saved when they end in time)")
@@ -741,6 +745,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"metrics_port ({cfg.node.metrics_port}) must be within 0..65535 (0: off)")
     if not 4096 <= dp.chunk_bytes <= 64 << 20:
         raise ConfigError(f"dataplane_chunk_bytes ({dp.chunk_bytes}) must be within 4 KiB..64 MiB")
+    if not 0 <= cfg.train.attach_wait < dp.stall_timeout:
+        raise ConfigError(f"train_attach_wait ({cfg.train.attach_wait}) must be within 0 and "
+                          f"dataplane_stall_timeout ({dp.stall_timeout}): the held stream would stall")
     if dp.max_rpcs_per_peer < 1:
         raise ConfigError(f"dataplane_max_rpcs_per_peer ({dp.max_rpcs_per_peer}) must be at least 1")
     if dp.min_rate <= 0:

@@ -75,7 +75,7 @@ async def _push(run: TrainingRun, sender: str, k: int, buf: torch.Tensor, chunk:
     if nan_at is not None:
         data[nan_at:nan_at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     h = pb.TensorHeader(sender=sender, run_id="t", iteration=k, kind=run.kind("model"))
-    sink = run.sink_for(h)
+    sink = await run.sink_for(h)
     if sink is None:     # no sum to go into (spoilt): the data plane receives the update whole
         whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         run.on_received(types.SimpleNamespace(sender=sender, iteration=k, kind=run.kind("model"),
@@ -205,7 +205,7 @@ def test_chunks_of_an_iteration_mixed_without_them_never_reach_the_slot_again(tm
         mixing = asyncio.create_task(_publish_and_mix(run, 0, x_a))
         await asyncio.sleep(0.05)
         await _push(run, "c", 0, x_c)
-        sink = run.sink_for(pb.TensorHeader(sender="b", run_id="t", iteration=0, kind=run.kind("model")))
+        sink = await run.sink_for(pb.TensorHeader(sender="b", run_id="t", iteration=0, kind=run.kind("model")))
         data, half = bytes(x_b.numpy()), 8192
         for off in range(0, half, 4096):
             await sink.chunk(off, memoryview(data[off:off + 4096]))
@@ -263,3 +263,25 @@ def test_a_lost_sum_and_a_killed_neighbour_stall_the_mix_no_longer_than_its_dete
     assert state["sums_lost"] == 1 and not run.liveness.absent       # nobody was marked silent
     assert _close(mixed, _direct(x_a, x_c))        # b's update went with the lost sum
     assert run.ledger.state()["left_out"] == {"b": {"lost": 1}, "d": {"dead": 1}}
+
+
+def test_an_update_that_comes_before_our_trainer_attached_waits_for_it_then_is_summed(tmp_path):
+    """Held whole, an early update costs a model's worth of memory per early neighbour; its stream
+    waits for the attach instead (up to train_attach_wait), then it is summed as it arrives."""
+    async def go():
+        run = TrainingRun(stand_in_env(tmp_path, Config().replace(run_id="t", train_attach_wait=5.0)), SPEC, NODES)
+        h = pb.TensorHeader(sender="b", run_id="t", iteration=0, kind=run.kind("model"))
+        asking = asyncio.create_task(run.sink_for(h))
+        await asyncio.sleep(0.1)
+        assert not asking.done()                       # no layout yet: the stream is held
+        run.mixer.set_layout(LAYOUT, tmp_path)
+        sink = await asyncio.wait_for(asking, 1.0)
+        assert sink is not None and run.mixer.sums.targets[0].inflight == {1}
+        sink.abort("test over")
+
+        late = TrainingRun(stand_in_env(tmp_path / "late", Config().replace(run_id="t", train_attach_wait=0.2)),
+                           SPEC, NODES)
+        t0 = time.monotonic()
+        assert await late.sink_for(h) is None          # no trainer in time: received whole, as before
+        assert 0.15 < time.monotonic() - t0 < 2.0
+    asyncio.run(go())

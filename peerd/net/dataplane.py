@@ -406,8 +406,9 @@ class DataPlane:
         # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
         self.screen: Callable[[str, str], str | None] | None = None
         self.on_offence: Callable[[str, str], None] | None = None
-        # sink_for(header, peer): a Sink to take this transfer's chunks instead of a buffer, or None
-        self.sink_for: Callable[[pb.TensorHeader, str], Sink | None] | None = None
+        # sink_for(header, peer): a Sink to take this transfer's chunks instead of a buffer, or None;
+        # sync or async (it may wait, bounded, for what decides: the stream is held meanwhile)
+        self.sink_for: Callable[[pb.TensorHeader, str], "Sink | None | Awaitable[Sink | None]"] | None = None
         # activity.fn(peer): bytes from `peer` are arriving (at most every ACTIVITY_EVERY s per peer):
         # life, whatever the heartbeats do; update_activity.fn: bytes of an update (a run's: slow, not silent)
         self.activity, self.update_activity = Throttle(ACTIVITY_EVERY), Throttle(ACTIVITY_EVERY)
@@ -611,6 +612,8 @@ class DataPlane:
             sink = Discard()
         else:
             sink = self.sink_for(h, peer) if self.sink_for is not None else None
+            if inspect.isawaitable(sink):
+                sink = await sink
         if sink is not None:
             return _Assembly(self, peer, h, layout, None, None, 0, sink)
         need = layout.nbytes + (wire_bytes if coded else 0)

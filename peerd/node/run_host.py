@@ -83,11 +83,11 @@ class RunHost:
             return run.serve_pull(requester)
         return None
 
-    def sink_for(self, header, peer: str) -> Sink | None:
+    async def sink_for(self, header, peer: str) -> Sink | None:
         """A push the run sums as it arrives instead of receiving it whole (the data plane asks)."""
         run = self.training
         if run is not None and header.kind == run.kind("model"):
-            return run.sink_for(header)
+            return await run.sink_for(header)
         return None
 
     def screen(self, peer: str, kind: str) -> str | None:

@@ -145,6 +145,7 @@ class Mixer:
         self.eager_slot = 0
         self.acc: MixAccumulator | None = None  # the incremental mix (set at attach where it applies)
         self.sums: EagerSum | None = None       # the eager mix summed as bytes arrive (where it applies)
+        self.attached = asyncio.Event()         # set_layout ran (the first trainer attached)
         self.ready: dict[int, MixJob] = {}     # k -> its mix, submitted
         self.pending_average: list[tuple[tuple[list | None, float], ...]] = []
 
@@ -164,6 +165,7 @@ class Mixer:
             self.sums = EagerSum(self.ctx, self.passes, self.wire, layout.total_bytes,
                                  own_norm=lambda: (st := self.snapshots.live_stats()) and st.norm,
                                  held=lambda key: key in self.updates.received)
+        self.attached.set()
 
     def withdraw(self, key: tuple[int, int], buffer: torch.Tensor) -> None:
         """A held update is about to be freed: out of the running sum with the values that went in."""
