@@ -284,6 +284,14 @@ class Discard(Sink):
         pass
 
 
+async def _sink(sink_for: Callable | None, h: pb.TensorHeader, peer: str) -> Sink | None:
+    """Where an uncoded transfer's chunks go instead of a receive buffer, if anywhere."""
+    if _base_kind(h.kind) in DISCARDED_KINDS:
+        return Discard()
+    sink = sink_for(h, peer) if sink_for is not None else None
+    return await sink if inspect.isawaitable(sink) else sink
+
+
 # ---- memory: pool and budget -----------------------------------------------------------------
 
 class BufferPool:
@@ -406,8 +414,7 @@ class DataPlane:
         # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
         self.screen: Callable[[str, str], str | None] | None = None
         self.on_offence: Callable[[str, str], None] | None = None
-        # sink_for(header, peer): a Sink to take this transfer's chunks instead of a buffer, or None;
-        # sync or async (it may wait, bounded, for what decides: the stream is held meanwhile)
+        # sink_for(header, peer): a Sink for the chunks instead of a buffer, or None; may be async
         self.sink_for: Callable[[pb.TensorHeader, str], "Sink | None | Awaitable[Sink | None]"] | None = None
         # activity.fn(peer): bytes from `peer` are arriving (at most every ACTIVITY_EVERY s per peer):
         # life, whatever the heartbeats do; update_activity.fn: bytes of an update (a run's: slow, not silent)
@@ -606,14 +613,7 @@ class DataPlane:
             if why := self.copies.base_error(h):     # refused before its bytes come: a keyframe follows
                 raise TransferError("copy_base", why, grpc.StatusCode.FAILED_PRECONDITION)
         coded = plan is not None or wire_bytes != layout.nbytes
-        if coded:
-            sink = None
-        elif _base_kind(h.kind) in DISCARDED_KINDS:
-            sink = Discard()
-        else:
-            sink = self.sink_for(h, peer) if self.sink_for is not None else None
-            if inspect.isawaitable(sink):
-                sink = await sink
+        sink = None if coded else await _sink(self.sink_for, h, peer)
         if sink is not None:
             return _Assembly(self, peer, h, layout, None, None, 0, sink)
         need = layout.nbytes + (wire_bytes if coded else 0)
