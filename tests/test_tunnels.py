@@ -54,7 +54,7 @@ def test_a_relay_route_is_dropped_once_the_peer_answers_directly_again():
         pool = ChannelPool(cfg.node, [], None)
         hub = TunnelHub(cfg, pool, lambda n: None)
         routes = RelayRoutes(cfg, pool, None, hub, lambda target: [("b" * 32, "127.0.0.1:9")])
-        routes.on_hello_failed(node, address)
+        routes.on_dial_failed(node, address)
         await asyncio.sleep(0.2)
         assert pool.routed(address) and routes.relayed() == [node]
         routes.on_alive(node)

@@ -150,7 +150,7 @@ class Daemon:
                                    tunnels.on_transition]
         self.members.on_restart = runs.on_restart
         self.members.on_dial_back = tunnels.keeper.on_dial_back
-        self.members.on_hello_failed = tunnels.relays.on_hello_failed
+        self.members.on_dial_failed = tunnels.relays.on_dial_failed
         self.dataplane.activity.fn = self.members.activity
         self.dataplane.update_activity.fn = runs.update_arriving
         self.dataplane.sink_for = runs.sink_for

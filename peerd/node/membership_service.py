@@ -113,7 +113,8 @@ class MembershipService:
         # a peer answered our Hello: (node, its address, whether it could dial us back, pb.DialBack)
         self.on_dial_back: Callable[[str, str, int], None] = lambda node, address, result: None
         # our Hello to a node known by id (gossip, mDNS) did not reach it: (node, address)
-        self.on_hello_failed: Callable[[str, str], None] = lambda node, address: None
+        # our Hello or heartbeat to (node, address) failed in transport: a relay may route it
+        self.on_dial_failed: Callable[[str, str], None] = lambda node, address: None
         self._in_flight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._hb_seq = 0
@@ -308,7 +309,7 @@ class MembershipService:
                               grpc.StatusCode.INVALID_ARGUMENT):
                 self._refused(address, err)
             else:
-                self.on_hello_failed(node, address)
+                self.on_dial_failed(node, address)
                 cand = self.table.candidates.get(address)
                 if cand is not None and cand.failures == 1:
                     hint = connect_hint(err.details() or "", self.channels.secure(address))
@@ -359,6 +360,8 @@ class MembershipService:
                 self.table.add_candidate(m.address, "heartbeat", now)
             elif err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 self._refused(m.address, err)
+            else:   # alive through its own calls to us (say through a relay) yet not dialable by us
+                self.on_dial_failed(m.node_id, m.address)
             return
         now = time.monotonic()
         if reply.node_id != m.node_id or reply.incarnation > self.max_incarnation():

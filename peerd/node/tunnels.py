@@ -407,7 +407,7 @@ class TunnelKeeper:
 
 class RelayRoutes:
     """Peers we cannot dial and who hold no tunnel to us: reached through a relay (a member whose
-    capabilities say --relay) that holds their tunnels. Set up when our Hello to one fails."""
+    capabilities say --relay) that holds their tunnels. Set up when our Hello or heartbeat to one fails."""
 
     def __init__(self, cfg: Config, pool: ChannelPool, auth: Authenticator, hub: TunnelHub,
                  relays: Callable[[str], list[tuple[str, str]]]) -> None:
@@ -424,9 +424,10 @@ class RelayRoutes:
     def relayed(self) -> list[str]:
         return sorted(self._routes)
 
-    def on_hello_failed(self, node: str, address: str) -> None:
-        """Our Hello to `node` at `address` failed: where relays exist and nothing routes it
-        yet, route it through them."""
+    def on_dial_failed(self, node: str, address: str) -> None:
+        """Our Hello or heartbeat to `node` at `address` failed: where relays exist and nothing
+        routes it yet, route it through them. (A heartbeat counts: a peer whose own Hello reached
+        us through a relay is alive before any Hello of ours to it could fail.)"""
         if (not node or node in self._routes or self.hub.holds(node) or self.pool.routed(address)
                 or not self.relays(node)):
             return
