@@ -372,8 +372,9 @@ def size_cmd(cases: tuple[str, ...], iterations: int, json_file: str | None, dae
 
     For each case: that many daemons on loopback, a zero-compute trainer on each (publish, mix, copy
     back) with D-PSGD; then plain TCP, then plain gRPC streams (the floor of a transport on gRPC),
-    between processes over the same graph doing the same weighted sum. Prints seconds per iteration, peak memory of daemons and trainers (x the model), the
-    daemons' event-loop lag, peers marked suspect and partial mixes."""
+    between processes over the same graph doing the same weighted sum. Prints seconds per
+    iteration, peak memory of daemons and trainers (x the model), the daemons' event-loop lag,
+    peers marked suspect and partial mixes."""
     import json as jsonlib
 
     from peerd.bench import size

@@ -4,7 +4,6 @@ computes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,22 +12,11 @@ import pytest
 from peerd.bench import size
 
 
-def _workers(module: str, hosts: int, topo: str, nbytes: int, iterations: int, *extra: str) -> list[dict]:
-    port_base = 30000 + (os.getpid() % 1000) * 8
-    procs = [subprocess.Popen([sys.executable, "-m", module, str(i), str(hosts), topo, str(nbytes),
-                               str(iterations), str(port_base), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(hosts)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
-
-
 @pytest.mark.parametrize("module,extra", [("peerd.bench.rawtcp", ()), ("peerd.bench.rawgrpc", ("65536",))])
 def test_baseline_workers_time_every_iteration(module, extra):
-    outs = _workers(module, 3, "ring", 1 << 20, 3, *extra)
+    res = size.Result(size.Case(3, "ring", 1 << 20), 3)
+    outs = size._baseline(res, module, 3, *extra)
+    assert outs is not None, res.error
     assert sorted(o["worker"] for o in outs) == [0, 1, 2]
     for o in outs:
         assert len(o["wire_s"]) == len(o["total_s"]) == 3
