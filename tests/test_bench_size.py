@@ -1,6 +1,6 @@
 """`peerd bench size` end to end on a small model: daemons, then plain TCP, then plain gRPC moving
-the same bytes over the same graph; and each baseline's worker on its own, checked by the sum it
-computes."""
+the same bytes over the same graph; and each baseline's workers on their own (every iteration
+timed, the sum after the wire)."""
 from __future__ import annotations
 
 import json
