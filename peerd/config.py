@@ -63,6 +63,9 @@ class NodeConfig:
                      common=True)
     event_loop: str = _f("auto", "asyncio loop: auto (uvloop when importable), uvloop, asyncio",
                          choices=("auto", "uvloop", "asyncio"))
+    worker_nice: int = _f(10, "niceness the daemon's worker threads (sums, checksums and copies of whole models) "
+                              "add to its own: its event loop, heartbeats and the trainer go first on a busy "
+                              "host (0: same priority; Linux)")
     log_level: str = _f("info", "log level: debug, info, warning, error", common=True,
                         choices=("debug", "info", "warning", "error"))
     log_format: str = _f("text", "log lines as text, or json: one object per line (time, level, logger, "
@@ -771,6 +774,8 @@ def validate(cfg: Config) -> None:
                           f"({n.relay_max_connections}) >= 1")
     if not 4096 <= n.tunnel_chunk_bytes <= 4 << 20:
         raise ConfigError(f"tunnel_chunk_bytes ({n.tunnel_chunk_bytes}) must be within 4 KiB..4 MiB")
+    if not 0 <= n.worker_nice <= 19:
+        raise ConfigError(f"worker_nice ({n.worker_nice}) must be within 0..19")
 
 
 def reference() -> str:

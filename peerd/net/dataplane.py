@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import inspect
 import itertools
 import logging
@@ -50,6 +49,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import grpc
 import torch
 
+from peerd import workers
 from peerd.config import Config
 from peerd.net import copies as cp
 from peerd.net import quant
@@ -420,7 +420,7 @@ class DataPlane:
         # life, whatever the heartbeats do; update_activity.fn: bytes of an update (a run's: slow, not silent)
         self.activity, self.update_activity = Throttle(ACTIVITY_EVERY), Throttle(ACTIVITY_EVERY)
         # checksums run beside the event loop: zlib releases the GIL, chunks combine by length
-        self.crc_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="peerd-crc")
+        self.crc_pool = workers.pool(2, "peerd-crc")
 
     def close(self) -> None:
         self.crc_pool.shutdown(wait=False, cancel_futures=True)

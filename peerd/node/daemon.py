@@ -25,7 +25,7 @@ import time
 
 import grpc
 
-from peerd import PROTOCOL_VERSION, __version__
+from peerd import PROTOCOL_VERSION, __version__, workers
 from peerd.config import Config
 from peerd.net import pki
 from peerd.net.auth import AuthInterceptor, Authenticator, RefusalGate, secrets_of
@@ -460,20 +460,27 @@ def _try_bind(server: grpc.aio.Server, address: str) -> int:
         return 0
 
 
-def tune_malloc() -> None:
-    """Tensor frames are 1 MiB bytes objects made and freed by the thousand per model. glibc's
-    malloc then raises its mmap threshold past them (a dynamic adjustment), and the freed frames
-    stay in per-thread arenas instead of going back to the system: a daemon of a 100 MB model held
-    hundreds of MB it was not using. A fixed threshold (which turns the adjustment off) and two
-    arenas keep the memory the daemon holds close to what it uses. Linux/glibc only; a no-op elsewhere."""
+def tune_malloc(frame_bytes: int) -> None:
+    """Tensor frames (`frame_bytes` of data each) are bytes objects made and freed by the thousand
+    per model, on both sides of every stream. glibc's malloc would raise its mmap threshold past them
+    (a dynamic adjustment) and keep freed frames in up to 8 arenas per core: a daemon of a 100 MB
+    model held hundreds of MB it was not using. A fixed threshold turns the adjustment off, and two
+    arenas bound what is kept. The threshold sits above a frame, so frames are reused from the heap:
+    below it (256 KiB, as first set here) every frame was a fresh mmap whose pages the kernel faulted
+    in and zeroed, and a third of the event loop's time went to that (py-spy, 4 daemons on a complete
+    graph of 100 MB models); above it the same runs took 1.3x less time per iteration at the same
+    peak memory (docs/benchmarks.md). Linux/glibc only; a no-op elsewhere."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
     M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
-    libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    libc.mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_MAX, max(4 << 20, 2 * frame_bytes)))
     libc.mallopt(M_ARENA_MAX, 2)
+
+
+MMAP_THRESHOLD_MAX = 32 << 20   # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 
 
 def strict_json(value) -> str:
@@ -483,7 +490,7 @@ def strict_json(value) -> str:
 
 def run_daemon(cfg: Config, secret: bytes) -> int:
     """Run the daemon on the configured event loop; returns the process exit code."""
-    tune_malloc()
+    tune_malloc(cfg.dataplane.chunk_bytes)
     # Files the daemon and its trainer create (shared-memory slots, checkpoints, logs) are the
     # user's alone: the control socket is already 600, so nobody else could use them anyway.
     os.umask(0o077)
@@ -502,6 +509,10 @@ def run_daemon(cfg: Config, secret: bytes) -> int:
     torch.set_num_threads(1)  # the mix is a few large ops; more threads fight the trainer for cores
 
     async def main() -> None:
+        workers.configure(cfg.node.worker_nice)
+        # asyncio.to_thread's pool, as big as asyncio's own default, at the workers' priority
+        asyncio.get_running_loop().set_default_executor(workers.pool(min(32, (os.cpu_count() or 1) + 4),
+                                                                     "peerd-work"))
         await Daemon(cfg, secret).run()
 
     with asyncio.Runner(loop_factory=factory) as runner:

@@ -10,13 +10,14 @@ released after a mix was submitted goes back to its pool only once that mix has 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from typing import Any, Callable
+
+from peerd import workers
 
 
 class Passes:
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-pass")
+        self._pool = workers.pool(1, "peerd-pass")
         self._loop = asyncio.get_running_loop()
         self.pending = 0
 
