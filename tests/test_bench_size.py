@@ -22,6 +22,8 @@ def test_baseline_workers_time_every_iteration(module, extra):
         assert len(o["wire_s"]) == len(o["total_s"]) == 3
         assert all(0 < w <= t for w, t in zip(o["wire_s"], o["total_s"]))
         assert o["peak_rss_bytes"] > 1 << 20
+    if module.endswith("rawgrpc"):      # gRPC's own loop lag: the reference for the daemon's
+        assert all(o["loop_lag_p99_ms"] >= 0 for o in outs)
 
 
 @pytest.mark.slow
@@ -40,7 +42,7 @@ def test_bench_size_reports_peerd_tcp_and_grpc_for_a_small_ring(tmp_path):
 
 def test_table_has_a_row_per_case_with_both_ratios():
     r = size.Result(size.Case(3, "ring", 100_000_000), 8, peerd_s=1.0, tcp_wire_s=0.1, tcp_total_s=0.25,
-                    grpc_wire_s=0.4, grpc_total_s=0.5)
+                    grpc_wire_s=0.4, grpc_total_s=0.5, grpc_lag_ms=12.4)
     text = size.table([r])
-    assert "| ring-3 100 MB | 1.000 |" in text
+    assert "| ring-3 100 MB | 1.000 |" in text and "| 0 (12) |" in text
     assert "| 4.00x |" in text and "| 2.00x |" in text

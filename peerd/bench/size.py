@@ -65,6 +65,7 @@ class Result:
     grpc_wire_s: float | None = None                  # the same over plain gRPC streams (peerd.bench.rawgrpc)
     grpc_total_s: float | None = None
     grpc_rss: list[int] = field(default_factory=list)
+    grpc_lag_ms: float | None = None                  # the plain gRPC workers' event loop lag, p99 (worst worker)
     error: str = ""
 
     def record(self) -> dict[str, Any]:
@@ -187,6 +188,7 @@ def run_grpc(res: Result, iterations: int, chunk_bytes: int) -> None:
     if outs := _baseline(res, "peerd.bench.rawgrpc", iterations, str(chunk_bytes)):
         res.grpc_wire_s, res.grpc_total_s = _slowest(outs, "wire_s"), _slowest(outs, "total_s")
         res.grpc_rss = [o["peak_rss_bytes"] for o in outs]
+        res.grpc_lag_ms = max(o["loop_lag_p99_ms"] for o in outs)
 
 
 def run(cases: list[Case], iterations: int, echo: Callable[[str], None] = print,
@@ -214,7 +216,8 @@ def _mb(n: float | None) -> str:
 def table(results: list[Result]) -> str:
     head = ("| case | peerd s/iter | publish | wait for mix | copy back | raw TCP (+ sum) | ratio | "
             "plain gRPC (+ sum) | ratio | "
-            "daemon peak RSS MB (x model) | trainer peak RSS MB | loop lag p99 ms | suspects | partial mixes |")
+            "daemon peak RSS MB (x model) | trainer peak RSS MB | loop lag p99 ms (plain gRPC) | suspects | "
+            "partial mixes |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         c = r.case
@@ -225,11 +228,12 @@ def table(results: list[Result]) -> str:
         partial = sum((x.get("mixes") or {}).get("partial", 0) for x in d)
         total = sum((x.get("mixes") or {}).get("total", 0) for x in d)
         f = lambda v: "-" if v is None else f"{v:.3f}"   # noqa: E731
+        glag = "-" if r.grpc_lag_ms is None else f"{r.grpc_lag_ms:.0f}"
         rows.append(f"| {c.name} | {f(r.peerd_s)} | {f(r.publish_s)} | {f(r.mix_wait_s)} | {f(r.copy_back_s)} | "
                     f"{f(r.tcp_wire_s)} ({f(r.tcp_total_s)}) | "
                     f"{'-' if not (r.peerd_s and r.tcp_total_s) else f'{r.peerd_s / r.tcp_total_s:.2f}x'} | "
                     f"{f(r.grpc_wire_s)} ({f(r.grpc_total_s)}) | "
                     f"{'-' if not (r.peerd_s and r.grpc_total_s) else f'{r.peerd_s / r.grpc_total_s:.2f}x'} | "
-                    f"{_mb(rss)} ({rss / c.nbytes:.1f}x) | {_mb(max(r.trainer_rss, default=0))} | {lag:.0f} | {sus} | "
+                    f"{_mb(rss)} ({rss / c.nbytes:.1f}x) | {_mb(max(r.trainer_rss, default=0))} | {lag:.0f} ({glag}) | {sus} | "
                     f"{partial} of {total} |" + (f" {r.error}" if r.error else ""))
     return "\n".join(rows)
