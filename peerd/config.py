@@ -327,7 +327,8 @@ class TrainConfig:
                               "waits (its stream held) for the slot its mix will use, before it is summed in a "
                               "scratch buffer (one more model's worth of memory)")
     attach_wait: float = _f(5.0, "with sum_on_arrival, seconds a neighbour's update that arrives before this "
-                                 "host's trainer attached waits for it (its stream held), so that it is summed "
+                                 "host's run started and its trainer attached waits for them (its stream held), "
+                                 "so that it is summed "
                                  "as it arrives instead of held whole (one model's worth of memory per early "
                                  "neighbour); less than dataplane_stall_timeout")
     slot_wait: float = _f(0.25, "seconds a Mix reply may wait for our pushes of that iteration to end, where "

@@ -285,3 +285,43 @@ def test_an_update_that_comes_before_our_trainer_attached_waits_for_it_then_is_s
         assert await late.sink_for(h) is None          # no trainer in time: received whole, as before
         assert 0.15 < time.monotonic() - t0 < 2.0
     asyncio.run(go())
+
+
+def test_an_update_that_comes_before_our_run_started_waits_for_it(tmp_path):
+    """The neighbour's `peerd train` ran first: its update waits (stream held) for our run to
+    start and our trainer to attach, within one train_attach_wait, then is summed as it arrives."""
+    from peerd.node.offences import PeerOffences
+    from peerd.node.run_host import RunHost
+
+    async def go():
+        env = stand_in_env(tmp_path, Config().replace(run_id="t", train_attach_wait=5.0))
+        host = RunHost(env, PeerOffences(3, 10.0), lambda *a, **k: None)
+        run = TrainingRun(env, SPEC, NODES)
+        h = pb.TensorHeader(sender="b", run_id="t", iteration=0, kind=run.kind("model"))
+        asking = asyncio.create_task(host.sink_for(h, "b"))
+        await asyncio.sleep(0.1)
+        assert not asking.done()                       # no run yet: the stream is held
+        host.start_run(run)
+        await asyncio.sleep(0.1)
+        assert not asking.done()                       # a run, no trainer yet: still held
+        run.mixer.set_layout(LAYOUT, tmp_path)
+        sink = await asyncio.wait_for(asking, 1.0)
+        assert sink is not None and run.mixer.sums.targets[0].inflight == {1}
+        sink.abort("test over")
+
+        env2 = stand_in_env(tmp_path / "late", Config().replace(run_id="t", train_attach_wait=0.3))
+        late = RunHost(env2, PeerOffences(3, 10.0), lambda *a, **k: None)
+        t0 = time.monotonic()
+        asking = asyncio.create_task(late.sink_for(h, "b"))
+        await asyncio.sleep(0.2)
+        late.start_run(TrainingRun(env2, SPEC, NODES))  # a run, but its trainer never attaches
+        assert await asking is None                     # received whole, as before, after one wait
+        assert 0.25 < time.monotonic() - t0 < 1.0
+        await late.stop()
+
+        stopped = RunHost(env2, PeerOffences(3, 10.0), lambda *a, **k: None)
+        await stopped.stop()
+        t0 = time.monotonic()
+        assert await stopped.sink_for(h, "b") is None   # a stopping daemon: nothing to wait for
+        assert time.monotonic() - t0 < 0.2
+    asyncio.run(go())

@@ -1,8 +1,9 @@
 """The daemon's side of training runs: the current run, what reaches it, and how it ends.
 
-One run at a time per daemon. Updates of a peer whose run started before ours are held (up to
-`train_early_updates`) and replayed when ours starts; updates of another run (its tag differs)
-are dropped. A peer that sends bad updates (peerd.node.offences) is flagged: the run treats it as
+One run at a time per daemon. A peer's update that arrives before our run started waits for it
+(its stream held, up to `train_attach_wait`) so that ours sums it as it arrives; one that comes
+earlier still is held whole (up to `train_early_updates`) and replayed when ours starts; updates
+of another run (its tag differs) are dropped. A peer that sends bad updates (peerd.node.offences) is flagged: the run treats it as
 down for the cool-down (no policy waits on updates that are refused), then as up again.
 """
 from __future__ import annotations
@@ -32,11 +33,13 @@ class RunHost:
         self.last_state: dict | None = None      # state() of the last run that ended (`peerd plan` reads it)
         self.rankings = Rankings()
         self._early: list[Received] = []         # peers' updates that arrived before our run started
+        self._run_started = asyncio.Event()      # set while a run is on (or once stopped: nothing to wait for)
         self.stopped = False
 
     # --- runs -----------------------------------------------------------------------------------
     def start_run(self, run: TrainingRun) -> None:
         self.training = run
+        self._run_started.set()
         early, self._early = self._early, []
         for rec in early:
             if rec.kind.partition(":")[2] == run.tag:
@@ -48,6 +51,8 @@ class RunHost:
         if self.training is run:
             self.last_state = run.state()
             self.training = None
+            if not self.stopped:
+                self._run_started.clear()
 
     async def stop(self) -> None:
         if self.training is not None:
@@ -56,6 +61,7 @@ class RunHost:
             rec.release()
         self._early.clear()
         self.stopped = True
+        self._run_started.set()
 
     def force_stop(self) -> None:
         if self.training is not None:
@@ -84,10 +90,20 @@ class RunHost:
         return None
 
     async def sink_for(self, header, peer: str) -> Sink | None:
-        """A push the run sums as it arrives instead of receiving it whole (the data plane asks)."""
+        """A push the run sums as it arrives instead of receiving it whole (the data plane asks).
+        A model update that comes before our run started (the neighbour's `peerd train` ran first)
+        waits for it, its stream held: received whole, it would cost a model of memory per early
+        neighbour. One deadline, train_attach_wait, covers the run's start and its trainer's attach."""
+        wait = self.env.cfg.train.attach_wait
+        deadline = asyncio.get_running_loop().time() + wait
+        if self.training is None and header.kind.partition(":")[0] == "model" and self.env.cfg.train.sum_on_arrival:
+            try:
+                await asyncio.wait_for(self._run_started.wait(), wait)
+            except TimeoutError:
+                return None
         run = self.training
         if run is not None and header.kind == run.kind("model"):
-            return await run.sink_for(header)
+            return await run.sink_for(header, max(0.0, deadline - asyncio.get_running_loop().time()))
         return None
 
     def screen(self, peer: str, kind: str) -> str | None:

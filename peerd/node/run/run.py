@@ -235,14 +235,16 @@ class TrainingRun:
         for rec in self.updates.take_early():
             self.on_received(rec)
 
-    async def sink_for(self, header) -> Sink | None:
+    async def sink_for(self, header, wait: float | None = None) -> Sink | None:
         """The data plane asks at a push's header: sum it as it arrives (peerd.node.run.eagersum)?
         Before our trainer attached the layout is unknown: the push waits for it (its stream held,
-        up to train_attach_wait) rather than be held whole, one model per early neighbour."""
+        up to `wait`, default train_attach_wait) rather than be held whole, one model per early
+        neighbour."""
         mixer = self.mixer
         if mixer.layout is None and mixer.eager and self.ctx.cfg.train.sum_on_arrival:
             try:
-                await asyncio.wait_for(mixer.attached.wait(), self.ctx.cfg.train.attach_wait)
+                await asyncio.wait_for(mixer.attached.wait(),
+                                       self.ctx.cfg.train.attach_wait if wait is None else wait)
             except TimeoutError:
                 return None
         return mixer.sums.sink_for(header) if mixer.sums is not None else None
