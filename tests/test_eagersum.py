@@ -325,3 +325,49 @@ def test_an_update_that_comes_before_our_run_started_waits_for_it(tmp_path):
         assert await stopped.sink_for(h, "b") is None   # a stopping daemon: nothing to wait for
         assert time.monotonic() - t0 < 0.2
     asyncio.run(go())
+
+
+def test_a_second_stream_of_a_push_that_summed_nothing_takes_over(tmp_path, monkeypatch):
+    """Two streams of b's update 0 (a retried call whose first stream is dying): the first has
+    summed nothing, so the second sums instead of being received whole; the first ends refused
+    and spoils nothing. Once a stream has summed part of it, a second one is received whole."""
+    from peerd.net.dataplane import TransferError
+
+    async def go():
+        run = _run(tmp_path)
+        x_a, x_b, x_c = _params(1), _params(2), _params(3)
+        h = pb.TensorHeader(sender="b", run_id="t", iteration=0, kind=run.kind("model"))
+        first = await run.sink_for(h)
+        second = await run.sink_for(h)
+        assert first is not None and second is not None and first is not second
+        mixing = asyncio.create_task(_publish_and_mix(run, 0, x_a))
+        data = bytes(x_b.numpy())
+        await first.chunk(0, memoryview(data[:4096]))  # the dying stream's bytes are checked, not summed
+        first.abort("cut")
+        for off in range(0, len(data), 4096):
+            await second.chunk(off, memoryview(data[off:off + 4096]))
+        stats = await second.finish()
+        run.on_received(types.SimpleNamespace(sender="b", iteration=0, kind=run.kind("model"),
+                                              nbytes=LAYOUT.total_bytes, buffer=torch.empty(0, dtype=torch.uint8),
+                                              stats=stats, sunk=True, release=lambda: None, mass=1.0))
+        await _push(run, "c", 0, x_c)
+        mixed = await mixing
+        assert _close(mixed, _direct(x_a, x_b, x_c))
+        assert run.mixer.sums.state()["sums_lost"] == 0
+
+        # iteration 1: the first stream gets bytes into the sum before a second one comes
+        from peerd.node.run import eagersum
+        monkeypatch.setattr(eagersum, "BATCH_BYTES", 4096)      # each chunk goes to the pass thread
+        h1 = pb.TensorHeader(sender="b", run_id="t", iteration=1, kind=run.kind("model"))
+        mixing = asyncio.create_task(_publish_and_mix(run, 1, x_a))
+        started = await run.sink_for(h1)
+        await started.chunk(0, memoryview(data[:4096]))
+        assert await run.sink_for(h1) is None          # part of it is summed: a second stream goes whole
+        late = await run.sink_for(pb.TensorHeader(sender="c", run_id="t", iteration=1, kind=run.kind("model")))
+        superseded = await run.sink_for(pb.TensorHeader(sender="c", run_id="t", iteration=1, kind=run.kind("model")))
+        with pytest.raises(TransferError, match="superseded"):
+            await late.finish()                         # both streams lived: the first is not delivered
+        superseded.abort("test over")
+        started.abort("test over")
+        mixing.cancel()
+    asyncio.run(go())
