@@ -131,6 +131,21 @@ def test_pull_serves_newest_snapshot_and_refuses_missing():
     run(main())
 
 
+def test_a_pull_answer_comes_whole_even_where_pushes_are_summed_as_they_arrive():
+    """A joiner starts from a pulled model: its answer must never go into the running sum that the
+    same sender's pushes go to (then the caller got an empty, 'summed' record)."""
+    async def main():
+        async with nodes("a", "b", config=SMALL) as (a, b):
+            asked = []
+            a.dp.sink_for = lambda h, peer: asked.append(h.kind)    # would sum it, if asked
+            x = torch.randn(10_000)
+            b.snapshots["model"] = Snapshot(0, Outgoing.of([x], ["w"]))
+            with await a.pull(b) as rec:
+                assert not rec.sunk and same_bytes(rec.tensors()[0], x)
+            assert asked == []
+    run(main())
+
+
 def test_pool_reuses_receive_buffers():
     async def main():
         async with nodes("a", "b", config=SMALL) as (a, b):

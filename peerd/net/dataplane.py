@@ -524,7 +524,7 @@ class DataPlane:
                                     grpc.StatusCode.UNAUTHENTICATED)
             self._take_slot(peer)
             try:
-                rec = await self._receive(aiter(request_iterator), peer, expect_sender=peer)
+                rec = await self._receive(aiter(request_iterator), peer, expect_sender=peer, push=True)
             finally:
                 self._free_slot(peer)
             await self._deliver(rec)
@@ -555,7 +555,7 @@ class DataPlane:
         await deliver(self.on_received, rec, self.cfg.dataplane.deliver_timeout)
 
     # -- receiving (push server and pull client share it) ---------------------------------------
-    async def _receive(self, frames: Any, peer: str, expect_sender: str) -> Received:
+    async def _receive(self, frames: Any, peer: str, expect_sender: str, push: bool) -> Received:
         """Read header and chunks from the async iterator `frames` into a pooled buffer."""
         cfg = self.cfg
         stall = cfg.dataplane.stall_timeout
@@ -570,7 +570,7 @@ class DataPlane:
                 kind, value = _decode(raw, cfg.dataplane.max_header_bytes)
                 if kind != tw.HEADER:
                     raise TransferError("no_header", "first frame is a chunk, not a header")
-                asm = await self._admit(value, peer, expect_sender)
+                asm = await self._admit(value, peer, expect_sender, push)
                 guard.reschedule(loop.time() + stall)
                 async for raw in frames:
                     kind, value = _decode(raw, cfg.dataplane.max_header_bytes)
@@ -590,7 +590,7 @@ class DataPlane:
                 asm.abort()
             raise
 
-    async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str) -> "_Assembly":
+    async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str, push: bool) -> "_Assembly":
         dp = self.cfg.dataplane
         if h.sender != expect_sender:
             raise TransferError("sender_mismatch", f"header.sender {h.sender!r} is not the "
@@ -613,7 +613,8 @@ class DataPlane:
             if why := self.copies.base_error(h):     # refused before its bytes come: a keyframe follows
                 raise TransferError("copy_base", why, grpc.StatusCode.FAILED_PRECONDITION)
         coded = plan is not None or wire_bytes != layout.nbytes
-        sink = None if coded else await _sink(self.sink_for, h, peer)
+        # a pull's answer goes to its caller whole (a joiner starts from it); only pushes are summed
+        sink = None if coded or not push else await _sink(self.sink_for, h, peer)
         if sink is not None:
             return _Assembly(self, peer, h, layout, None, None, 0, sink)
         need = layout.nbytes + (wire_bytes if coded else 0)
@@ -765,7 +766,7 @@ class DataPlane:
                     yield raw
 
             try:
-                rec = await self._receive(frames(), peer, expect_sender=peer)
+                rec = await self._receive(frames(), peer, expect_sender=peer, push=False)
             except TransferError as e:
                 call.cancel()
                 self._refuse(e, peer, "pull")

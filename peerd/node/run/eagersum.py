@@ -27,11 +27,10 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from peerd.net import tensorwire as tw
-from peerd.net.dataplane import Sink, TransferError
+from peerd.net.dataplane import Sink
 from peerd.node.run.context import RunContext
 from peerd.node.run.passes import Passes
 from peerd.sync import events as ev
@@ -58,7 +57,6 @@ class Target:
     timer: asyncio.TimerHandle | None = None
     summed: dict[int, float] = field(default_factory=dict)    # source rank -> weight, complete and checked
     inflight: set[int] = field(default_factory=set)           # sources whose chunks are being added
-    sinks: dict[int, "_SumSink"] = field(default_factory=dict)  # the open sink of each source in flight
     tainted: str = ""                              # why the sum cannot be used ("" when it can)
 
 
@@ -157,20 +155,12 @@ class _SumSink(Sink):
         self.batch_bytes = 0
         self.room = asyncio.Event()
         self.room.set()
-        self.added = False          # a batch went to the pass thread: the sum holds part of this push
-        self.superseded = False     # a newer stream of the same push took over (see EagerSum.sink_for)
         target.inflight.add(src)
-        target.sinks[src] = self
-
-    def _leave(self) -> None:
-        self.target.inflight.discard(self.src)
-        if self.target.sinks.get(self.src) is self:
-            del self.target.sinks[self.src]
 
     async def chunk(self, offset: int, data: memoryview) -> None:
         if not self.target.ready.is_set():
             await self.target.ready.wait()         # the slot frees at our publish (bounded: train_sum_wait)
-        if self.superseded or self.target.tainted or self.target.buffer is None:
+        if self.target.tainted or self.target.buffer is None:
             return                                 # the sum is spoilt or gone: the bytes are only checksummed
         await self.room.wait()
         self.batch.append((offset, data))
@@ -179,11 +169,10 @@ class _SumSink(Sink):
             self._flush()
 
     def _flush(self) -> None:
-        if not self.batch or self.target.buffer is None or self.target.tainted or self.superseded:
+        if not self.batch or self.target.buffer is None or self.target.tainted:
             self.batch, self.batch_bytes = [], 0
             return
         o, n = self.owner, self.batch_bytes
-        self.added = True
         self.backlog += n
         if self.backlog > BACKLOG_BYTES:
             self.room.clear()
@@ -200,10 +189,7 @@ class _SumSink(Sink):
         self._flush()
         await self.owner.passes.submit(lambda: None)     # every chunk's pass is done
         st, t = self.state, self.target
-        if self.superseded:       # a newer stream of this push counts, not this one: not delivered twice
-            raise TransferError("superseded", f"a newer stream of rank {self.src}'s update {t.k} took its place",
-                                grpc.StatusCode.ALREADY_EXISTS)
-        self._leave()
+        t.inflight.discard(self.src)
         if st.edges and not st.bad:
             st.bad = "the stream ended inside a value"
         stats = tw.ParamStats(not st.bad.startswith("NaN"), st.top, math.sqrt(st.sq))
@@ -217,9 +203,7 @@ class _SumSink(Sink):
         return stats
 
     def abort(self, why: str) -> None:
-        if self.superseded:
-            return
-        self._leave()
+        self.target.inflight.discard(self.src)
         self.owner.taint(self.target, f"the update from rank {self.src} failed mid-stream ({why})")
 
 
@@ -257,17 +241,8 @@ class EagerSum:
             return None
         weight *= h.mass or 1.0       # as the mix weighs it (peerd.node.run.mixer.Mixer._massed)
         target = self.targets.get(k) or self._new_target(k)
-        if target is None or target.tainted or src in target.summed:
+        if target is None or target.tainted or src in target.summed or src in target.inflight:
             return None
-        if src in target.inflight:
-            old = target.sinks.get(src)
-            if old is None or old.added:
-                return None          # received whole: a second stream of a push already partly summed
-            # A second stream of the same push while the first has summed nothing: a retry of a call
-            # whose first stream is dying (seen held at the attach wait). The newer one sums; the
-            # older one's bytes are only checked. Received whole instead, it cost a model of memory.
-            old.superseded = True
-            old._leave()
         return _SumSink(self, target, src, weight)
 
     def _new_target(self, k: int) -> Target | None:
