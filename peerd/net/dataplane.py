@@ -613,8 +613,7 @@ class DataPlane:
             if why := self.copies.base_error(h):     # refused before its bytes come: a keyframe follows
                 raise TransferError("copy_base", why, grpc.StatusCode.FAILED_PRECONDITION)
         coded = plan is not None or wire_bytes != layout.nbytes
-        # a pull's answer goes to its caller whole (a joiner starts from it); only pushes are summed
-        sink = None if coded or not push else await _sink(self.sink_for, h, peer)
+        sink = None if coded or not push else await _sink(self.sink_for, h, peer)   # a pull's answer: whole
         if sink is not None:
             return _Assembly(self, peer, h, layout, None, None, 0, sink)
         need = layout.nbytes + (wire_bytes if coded else 0)
