@@ -460,6 +460,9 @@ def _try_bind(server: grpc.aio.Server, address: str) -> int:
         return 0
 
 
+MMAP_THRESHOLD_MAX = 32 << 20   # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
 def tune_malloc(frame_bytes: int) -> None:
     """Tensor frames (`frame_bytes` of data each) are bytes objects made and freed by the thousand
     per model, on both sides of every stream. glibc's malloc would raise its mmap threshold past them
@@ -467,9 +470,9 @@ def tune_malloc(frame_bytes: int) -> None:
     model held hundreds of MB it was not using. A fixed threshold turns the adjustment off, and two
     arenas bound what is kept. The threshold sits above a frame, so frames are reused from the heap:
     below it (256 KiB, as first set here) every frame was a fresh mmap whose pages the kernel faulted
-    in and zeroed, and a third of the event loop's time went to that (py-spy, 4 daemons on a complete
-    graph of 100 MB models); above it the same runs took 1.3x less time per iteration at the same
-    peak memory (docs/benchmarks.md). Linux/glibc only; a no-op elsewhere."""
+    in and zeroed: ~45 % of the event loop's samples were memcpy (py-spy, 4 daemons on a complete
+    graph of 100 MB models); above it the same runs took 1.2-1.5x less time per iteration at the
+    same peak memory (docs/benchmarks.md). Linux/glibc only; a no-op elsewhere."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
@@ -478,9 +481,6 @@ def tune_malloc(frame_bytes: int) -> None:
     M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
     libc.mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_MAX, max(4 << 20, 2 * frame_bytes)))
     libc.mallopt(M_ARENA_MAX, 2)
-
-
-MMAP_THRESHOLD_MAX = 32 << 20   # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 
 
 def strict_json(value) -> str:

@@ -3,8 +3,9 @@
 One run at a time per daemon. A peer's update that arrives before our run started waits for it
 (its stream held, up to `train_attach_wait`) so that ours sums it as it arrives; one that comes
 earlier still is held whole (up to `train_early_updates`) and replayed when ours starts; updates
-of another run (its tag differs) are dropped. A peer that sends bad updates (peerd.node.offences) is flagged: the run treats it as
-down for the cool-down (no policy waits on updates that are refused), then as up again.
+of another run (its tag differs) are dropped. A peer that sends bad updates (peerd.node.offences)
+is flagged: the run treats it as down for the cool-down (no policy waits on updates that are
+refused), then as up again.
 """
 from __future__ import annotations
 
