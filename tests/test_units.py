@@ -161,6 +161,18 @@ def test_left_peer_is_not_contacted_until_a_newer_incarnation_shows_up():
     assert "h:1" in m.candidates
 
 
+def test_a_goodbye_is_not_undone_by_contact_sent_before_it():
+    """Its last heartbeat or data frame, on another stream, may be processed after the Leave: the
+    peer stays "left" (a daemon's partner saw it alive again, then dead, never left). A restart
+    (newer incarnation) is back."""
+    m = make()
+    m.admit("p", "h:1", "r", 1, {}, now=0)
+    m.left("p", 1, now=1)
+    assert m.heard_from("p", 2, incarnation=1) is None and m.heard_from("p", 2) is None
+    assert m.get("p").state is State.LEFT
+    assert m.heard_from("p", 3, incarnation=2).new is State.ALIVE
+
+
 def test_peer_table_gossip_sends_news_and_the_whole_table_when_due():
     m = make(full_interval=30)
     for i, p in enumerate("pqr"):

@@ -147,10 +147,14 @@ class Membership:
 
     def heard_from(self, node_id: str, now: float, incarnation: int | None = None,
                    rtt_s: float | None = None) -> Transition | None:
-        """Direct contact with an admitted peer. Returns the transition if it came back."""
+        """Direct contact with an admitted peer. Returns the transition if it came back. A peer that
+        said goodbye stays gone for that incarnation: its heartbeat or data sent before the goodbye
+        may be processed after it (separate streams); only a restart (a newer incarnation) is back."""
         m = self.members.get(node_id)
         if m is None or (incarnation is not None and incarnation < m.incarnation
                          and not self._superseded(m, now)):
+            return None
+        if m.state is State.LEFT and (incarnation is None or incarnation <= m.incarnation):
             return None
         if incarnation is not None:
             if incarnation != m.incarnation:

@@ -117,6 +117,7 @@ class MembershipService:
         self.on_dial_failed: Callable[[str, str], None] = lambda node, address: None
         self._in_flight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._leaving = False     # set by leave(): no more heartbeats or hellos after the goodbye
         self._hb_seq = 0
         self._logged_refusals: dict[str, float] = {}
         self.revoked = auth.revoked
@@ -268,6 +269,8 @@ class MembershipService:
             now = time.monotonic()
             for tr in self.table.tick(now):
                 self.transition(tr, "no contact" if tr.new in (State.SUSPECT, State.DEAD) else "")
+            if self._leaving:
+                return
             for m in self.table.to_contact(now):
                 self._contact(m.node_id, self._heartbeat(m))
             for cand in self.table.due_candidates(now):
@@ -377,7 +380,10 @@ class MembershipService:
         self.links.merge(m.node_id, [e for e in reply.links if is_node_id(e.measurer) and is_node_id(e.target)])
 
     async def leave(self) -> None:
-        """Tell every live peer we leave (best effort, bounded by leave_timeout)."""
+        """Tell every live peer we leave (best effort, bounded by leave_timeout). Heartbeats and
+        hellos stop first: one that a peer processes after our goodbye would say we are back."""
+        self._leaving = True
+        self.stop()
         targets = [m for m in self.table.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
         if targets:
             await asyncio.wait([asyncio.ensure_future(self._say_leave(m)) for m in targets],
