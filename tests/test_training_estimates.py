@@ -6,9 +6,11 @@ import asyncio
 import time
 import types
 
+import grpc
 import torch
 
 from peerd.config import Config
+from peerd.net.dataplane import TransferError
 from peerd.net.links import LinkMatrix
 from peerd.node.run.bounds import transfer_allowance, transfer_bound
 from peerd.node.run.run import TrainingRun
@@ -131,15 +133,22 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
     assert 0.98 <= marks["b3"] < 1.5, marks     # 0.5 + 0.5 s
 
 
-def _joiner(tmp_path, algorithm):
+def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1):
     """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
-    a2 answers the join pull at iteration 20, every other member has published nothing yet."""
+    a2 answers the join pull at iteration `neighbour_at` (NOT_FOUND when asked for a later one, as
+    a daemon does), every other member has published nothing yet. Returns the run, the reply and
+    the iterations the pulls asked for (`asked`) and were answered with whole models (`moved`)."""
     cfg = Config().replace(run_id="t")
     alive = types.SimpleNamespace(address="x:1", state=types.SimpleNamespace(value="alive"))
     layout = Layout.build([("w", "float32", (16,))])
+    asked, moved = [], []
 
-    async def pull_tensor(address, node, kind="model"):
-        return types.SimpleNamespace(iteration=20, nbytes=layout.total_bytes,
+    async def pull_tensor(address, node, kind="model", min_iteration=0):
+        asked.append((node, min_iteration))
+        if node != "a2" or min_iteration > neighbour_at:
+            raise TransferError("not_found", "nothing at or after it", grpc.StatusCode.NOT_FOUND)
+        moved.append(node)
+        return types.SimpleNamespace(iteration=neighbour_at, nbytes=layout.total_bytes,
                                      buffer=torch.zeros(layout.total_bytes, dtype=torch.uint8),
                                      release=lambda: None)
     env = stand_in_env(tmp_path, cfg, "a1", membership=types.SimpleNamespace(get=lambda node: alive),
@@ -149,23 +158,42 @@ def _joiner(tmp_path, algorithm):
         run = TrainingRun(env, _spec(algorithm), NODES)
         run.mixer.layout = layout
         run.mixer.slots = [torch.zeros(layout.total_bytes, dtype=torch.uint8)]
+        if own_checkpoint >= 0:
+            torch.save({"iteration": own_checkpoint}, run.resume.checkpoint_dir / "latest.pt")
 
         async def nothing_published(quiet=False, every=False):
             return {i: -1 for i in range(1, len(NODES))}
         run.resume.member_iterations = nothing_published
-        reply, _ = await run.resume.join_swarm(cpb.AttachReply())
+        reply, note = await run.resume.join_swarm(cpb.AttachReply())
         cancel_tasks(run)
-        return run, reply
-    return asyncio.run(go())
+        return run, reply, types.SimpleNamespace(asked=asked, moved=moved, note=note)
+    run, reply, pulls = asyncio.run(go())
+    return run, reply, pulls
 
 
 def test_a_join_marks_starting_members_absent_only_under_a_policy_that_waits_for_updates(tmp_path):
-    run, reply = _joiner(tmp_path, "d-psgd")
+    run, reply, _ = _joiner(tmp_path, "d-psgd")
     absent = run.liveness.absent
     assert reply.start_iteration == 20 and set(absent.values()) == {"restarting"} and len(absent) == 5
     for algorithm in ("netmax", "ad-psgd"):
-        run, reply = _joiner(tmp_path, algorithm)
+        run, reply, _ = _joiner(tmp_path, algorithm)
         assert reply.start_iteration == 20 and run.liveness.absent == {}, (algorithm, run.liveness.absent)
+
+
+def test_a_calm_start_or_a_restart_not_behind_pulls_no_model(tmp_path):
+    """The join pull asks only for parameters more than join_min_lead (4) past this host's own: a
+    neighbour at iteration 2 of a fresh run, or 20 against a checkpoint of 18, moves no model (a
+    whole model per host at every start, 1 GB over a WAN for a 1 GB model, only to be dropped)."""
+    run, reply, pulls = _joiner(tmp_path / "calm", "d-psgd", neighbour_at=2)
+    assert not reply.start_from_slot and pulls.moved == [] and pulls.note == ""
+    assert {m for _, m in pulls.asked} == {5} and len(pulls.asked) == 5     # every live member, once
+    assert run.liveness.absent == {}                                          # nothing decided
+    run, reply, pulls = _joiner(tmp_path / "restart", "d-psgd", neighbour_at=20, own_checkpoint=18)
+    assert not reply.start_from_slot and pulls.moved == [] and {m for _, m in pulls.asked} == {23}
+    assert pulls.note.startswith("resumed from own checkpoint of iteration 18: no live neighbour")
+    run, reply, pulls = _joiner(tmp_path / "behind", "d-psgd", neighbour_at=30, own_checkpoint=18)
+    assert reply.start_from_slot and reply.start_iteration == 30 and pulls.moved == ["a2"]
+    assert pulls.note == "started from a2's parameters of iteration 30: own checkpoint (iteration 18) is older"
 
 
 def test_an_update_sent_before_a_pause_notice_does_not_readmit_the_paused_neighbour(tmp_path):

@@ -141,6 +141,7 @@ class PeerClient:
             self.on_push(node, result)
         return result
 
-    async def pull_tensor(self, address: str, node: str, kind: str = "model") -> Received:
+    async def pull_tensor(self, address: str, node: str, kind: str = "model", min_iteration: int = 0) -> Received:
         return await self.dataplane.pull(self.channels.get(address, "data"), node,
-                                         metadata=self.auth.sign(PULL_METHOD, node, None), kind=kind)
+                                         metadata=self.auth.sign(PULL_METHOD, node, None), kind=kind,
+                                         min_iteration=min_iteration)

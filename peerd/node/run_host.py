@@ -87,7 +87,7 @@ class RunHost:
     def pull_source(self, requester: str, kind: str, min_iteration: int) -> Snapshot | None:
         run = self.training
         if run is not None and kind == run.kind("model"):
-            return run.serve_pull(requester)
+            return run.serve_pull(requester, min_iteration)
         return None
 
     async def sink_for(self, header, peer: str) -> Sink | None:

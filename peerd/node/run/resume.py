@@ -68,44 +68,48 @@ class Resume:
 
     async def join_swarm(self, reply: cpb.AttachReply) -> tuple[cpb.AttachReply, str]:
         """At the first attach: start from a live neighbour's parameters when the swarm is ahead of
-        what this host holds. A calm start costs one pull answered NOT_FOUND or near iteration 0.
-        Returns the reply and the note ("" when nothing was decided)."""
+        what this host holds. The pull asks for an iteration past this host's own checkpoint by more
+        than join_min_lead, so a calm start (everyone near the beginning) or a restart that is not
+        behind moves no model: each neighbour answers NOT_FOUND. Returns the reply and the note (""
+        when nothing was decided)."""
         ctx, env = self.ctx, self.ctx.env
         if ctx.policy.k >= 0 or self.join_note:
             return reply, ""                 # a restarted trainer of a run already under way here
         cfg = ctx.cfg.train
         own = checkpoint_iteration(self.checkpoint_dir)
+        wanted = max(own, 0) + cfg.join_min_lead + 1
         layout = self.mixer.layout
+        not_ahead = []
         for node in self._candidates():
             member = env.membership.get(node)
             if member is None:
                 continue
             try:
-                rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=ctx.kind("model")),
-                                             cfg.join_pull_timeout)
+                rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=ctx.kind("model"),
+                                                                   min_iteration=wanted), cfg.join_pull_timeout)
             except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-                log.info("join: no parameters from %s (%s)", node, getattr(e, "code", type(e).__name__))
+                if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND:
+                    not_ahead.append(node)   # nothing at or after `wanted` (or nothing yet)
+                else:
+                    log.info("join: no parameters from %s (%s)", node, getattr(e, "reason", type(e).__name__))
                 continue
             try:
                 k = rec.iteration
-                if k <= max(own, 0) + cfg.join_min_lead:
-                    if own < 0:
-                        return reply, ""     # a calm start: everyone is at the beginning
-                    note = (f"resumed from own checkpoint of iteration {own}: {node} is at {k}, "
-                            f"not more than {cfg.join_min_lead} ahead")
-                elif rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
+                if rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
                     log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
                     continue
-                else:
-                    await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
-                    reply.start_iteration, reply.start_from_slot = k, True
-                    note = (f"started from {node}'s parameters of iteration {k}: "
-                            + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
+                await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
+                reply.start_iteration, reply.start_from_slot = k, True
+                note = (f"started from {node}'s parameters of iteration {k}: "
+                        + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
             finally:
                 rec.release()
             break
         else:
-            return reply, ""                 # nobody has parameters yet: a calm start
+            if own < 0 or not not_ahead:
+                return reply, ""             # a calm start, or nobody answered
+            note = (f"resumed from own checkpoint of iteration {own}: no live neighbour "
+                    f"({', '.join(not_ahead)}) is more than {cfg.join_min_lead} iterations ahead")
         self.join_note = reply.join_note = note
         # Members with nothing published in this run (their trainer is starting too: several hosts
         # restarted together) are absent until their first update, not waited on for

@@ -249,12 +249,16 @@ class TrainingRun:
                 return None
         return mixer.sums.sink_for(header) if mixer.sums is not None else None
 
-    def serve_pull(self, requester: str) -> Snapshot | None:
-        """A peer pulls: the policy says what to answer; a Send to the requester is the answer."""
+    def serve_pull(self, requester: str, min_iteration: int = 0) -> Snapshot | None:
+        """A peer pulls: the policy says what to answer; a Send to the requester is the answer.
+        Nothing (NOT_FOUND) when we are not yet at `min_iteration` (a joiner asks only for
+        parameters ahead of its own)."""
         src = self.ctx.rank_of(requester)
         if src < 0 or self.mixer.layout is None:
             return None
         self.liveness.back_in_run(requester, self.policy.k)
+        if self.policy.k < min_iteration:
+            return None
         actions = self.driver.decide(ev.PullRequested(src))
         answer = next((a for a in actions if isinstance(a, ev.Send) and a.dst == src), None)
         self.driver.apply_all([a for a in actions if a is not answer])
