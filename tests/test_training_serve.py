@@ -60,6 +60,20 @@ def test_a_snapshot_being_served_is_not_reused_until_its_stream_is_done(tmp_path
     asyncio.run(go())
 
 
+def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):
+    """A joiner asks only for parameters ahead of its own checkpoint (PullRequest.min_iteration):
+    a host not that far along answers NOT_FOUND (None here) and holds no snapshot for it."""
+    async def go():
+        run = _run(tmp_path)
+        await _publish(run, 3)
+        assert run.serve_pull("b", min_iteration=4) is None and not run.snapshots.serving
+        served = run.serve_pull("b", min_iteration=3)
+        assert served is not None and served.iteration == 3
+        served.done()
+
+    asyncio.run(go())
+
+
 def test_stop_answers_the_mix_a_trainer_waits_for_so_it_reaches_its_boundary(tmp_path):
     """A trainer told to stop while its mix waits on neighbours (that are stopping too) gets that
     mix at once, with nothing mixed (it keeps its own parameters), and so does any later one: it
