@@ -299,7 +299,10 @@ class TrainConfig:
     mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
                                         "iteration, plus two of its own iterations, before giving up with an error")
     join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
-                                        "parameters before trying the next")
+                                        "parameters before trying the next, plus the model's transfer allowance "
+                                        "(train_transfer_slack), within train_attach_timeout")
+    attach_timeout: float = _f(600.0, "seconds a trainer's Attach may take: a host joining a running swarm "
+                                      "pulls a neighbour's parameters within it (1 GB over 50 Mbit: 160 s)")
     join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
                                   "joining host starts from a neighbour's parameters instead")
     update_max_abs: float = _f(1e6, "largest |value| accepted in a peer's parameters (0: no bound); "

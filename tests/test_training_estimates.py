@@ -133,12 +133,12 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
     assert 0.98 <= marks["b3"] < 1.5, marks     # 0.5 + 0.5 s
 
 
-def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1):
+def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0, budget=None, **overrides):
     """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
     a2 answers the join pull at iteration `neighbour_at` (NOT_FOUND when asked for a later one, as
     a daemon does), every other member has published nothing yet. Returns the run, the reply and
     the iterations the pulls asked for (`asked`) and were answered with whole models (`moved`)."""
-    cfg = Config().replace(run_id="t")
+    cfg = Config().replace(run_id="t", **overrides)
     alive = types.SimpleNamespace(address="x:1", state=types.SimpleNamespace(value="alive"))
     layout = Layout.build([("w", "float32", (16,))])
     asked, moved = [], []
@@ -147,6 +147,7 @@ def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1):
         asked.append((node, min_iteration))
         if node != "a2" or min_iteration > neighbour_at:
             raise TransferError("not_found", "nothing at or after it", grpc.StatusCode.NOT_FOUND)
+        await asyncio.sleep(pull_s)                   # the model crossing the link
         moved.append(node)
         return types.SimpleNamespace(iteration=neighbour_at, nbytes=layout.total_bytes,
                                      buffer=torch.zeros(layout.total_bytes, dtype=torch.uint8),
@@ -164,7 +165,7 @@ def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1):
         async def nothing_published(quiet=False, every=False):
             return {i: -1 for i in range(1, len(NODES))}
         run.resume.member_iterations = nothing_published
-        reply, note = await run.resume.join_swarm(cpb.AttachReply())
+        reply, note = await run.resume.join_swarm(cpb.AttachReply(), budget)
         cancel_tasks(run)
         return run, reply, types.SimpleNamespace(asked=asked, moved=moved, note=note)
     run, reply, pulls = asyncio.run(go())
@@ -194,6 +195,20 @@ def test_a_calm_start_or_a_restart_not_behind_pulls_no_model(tmp_path):
     run, reply, pulls = _joiner(tmp_path / "behind", "d-psgd", neighbour_at=30, own_checkpoint=18)
     assert reply.start_from_slot and reply.start_iteration == 30 and pulls.moved == ["a2"]
     assert pulls.note == "started from a2's parameters of iteration 30: own checkpoint (iteration 18) is older"
+
+
+def test_a_join_pull_gets_the_models_transfer_time_within_the_trainers_attach_deadline(tmp_path):
+    """A big model over a slow link takes longer than join_pull_timeout: the pull's bound grows by
+    its transfer allowance (here 2 x 64 bytes at 16 bytes/s unmeasured: 8 s), so a 0.5 s pull
+    with a 0.2 s base is waited for; the trainer's Attach deadline still caps it (a 3 s budget
+    leaves 1 s after the margin for the reply: a 5 s pull is given up, nothing decided)."""
+    slow_link = dict(train_join_pull_timeout=0.2, dataplane_min_rate=16)
+    run, reply, pulls = _joiner(tmp_path / "slow", "d-psgd", pull_s=0.5, **slow_link)
+    assert reply.start_from_slot and reply.start_iteration == 20 and pulls.moved == ["a2"]
+    t0 = time.monotonic()
+    run, reply, pulls = _joiner(tmp_path / "late", "d-psgd", pull_s=5.0, budget=3.0, **slow_link)
+    took = time.monotonic() - t0
+    assert not reply.start_from_slot and pulls.note == "" and took < 3.0, took
 
 
 def test_an_update_sent_before_a_pause_notice_does_not_readmit_the_paused_neighbour(tmp_path):

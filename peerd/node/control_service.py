@@ -101,7 +101,7 @@ class ControlService:
         if why:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peerd: refused attach: {why}")
         try:
-            return await run.attach(request)
+            return await run.attach(request, context.time_remaining())
         except (LayoutMismatch, ValueError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: refused attach: {str(e)[:400]}")
 

@@ -72,7 +72,8 @@ class DaemonExchange:
         req = cpb.AttachRequest(layout=[cpb.LayoutEntry(name=n, dtype=d, shape=s) for n, d, s in layout.specs()],
                                 total_bytes=layout.total_bytes, pid=os.getpid(),
                                 run_id=os.environ.get("PEERD_RUN_ID", ""))
-        deadline = time.monotonic() + self.timeout
+        # The daemon's allowance for a join pull (train_attach_timeout), when it spawned us.
+        deadline = time.monotonic() + max(self.timeout, float(os.environ.get("PEERD_ATTACH_TIMEOUT") or 0))
         while True:
             try:
                 reply = self._stub.Attach(req, timeout=max(1.0, deadline - time.monotonic()))

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from peerd.net.dataplane import TransferError
+from peerd.node.run.bounds import transfer_allowance
 from peerd.node.run.context import RunContext
 from peerd.node.run.liveness import PeerLiveness
 from peerd.node.run.mixer import Mixer
@@ -29,6 +30,7 @@ from peerd.v1 import control_pb2 as cpb
 from peerd.v1 import peer_pb2 as pb
 
 log = logging.getLogger("peerd.train")
+JOIN_REPLY_MARGIN = 2.0   # seconds of the Attach deadline kept for the reply after the join pulls
 
 
 def checkpoint_iteration(directory: Path) -> int:
@@ -66,12 +68,14 @@ class Resume:
         self.checkpoint_dir = checkpoint_dir(ctx)
         self.join_note = ""
 
-    async def join_swarm(self, reply: cpb.AttachReply) -> tuple[cpb.AttachReply, str]:
+    async def join_swarm(self, reply: cpb.AttachReply, budget: float | None = None) -> tuple[cpb.AttachReply, str]:
         """At the first attach: start from a live neighbour's parameters when the swarm is ahead of
         what this host holds. The pull asks for an iteration past this host's own checkpoint by more
         than join_min_lead, so a calm start (everyone near the beginning) or a restart that is not
-        behind moves no model: each neighbour answers NOT_FOUND. Returns the reply and the note (""
-        when nothing was decided)."""
+        behind moves no model: each neighbour answers NOT_FOUND. Each pull is bounded by
+        join_pull_timeout plus the model's transfer allowance over the measured link (a big model
+        over a WAN takes minutes), all within `budget` (the trainer's Attach deadline). Returns the
+        reply and the note ("" when nothing was decided)."""
         ctx, env = self.ctx, self.ctx.env
         if ctx.policy.k >= 0 or self.join_note:
             return reply, ""                 # a restarted trainer of a run already under way here
@@ -79,25 +83,36 @@ class Resume:
         own = checkpoint_iteration(self.checkpoint_dir)
         wanted = max(own, 0) + cfg.join_min_lead + 1
         layout = self.mixer.layout
-        not_ahead = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (cfg.attach_timeout if budget is None else budget) - JOIN_REPLY_MARGIN
+        not_ahead, note = [], ""
         for node in self._candidates():
             member = env.membership.get(node)
             if member is None:
                 continue
+            bound = min(cfg.join_pull_timeout + transfer_allowance(env, layout.total_bytes, node),
+                        deadline - loop.time())
+            if bound <= 0:
+                log.warning("join: the trainer's Attach deadline is spent (train_attach_timeout, or the "
+                            "trainer's own); starting without the swarm's parameters")
+                break
+            t0 = loop.time()
             try:
                 rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=ctx.kind("model"),
-                                                                   min_iteration=wanted), cfg.join_pull_timeout)
+                                                                   min_iteration=wanted), bound)
             except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND:
                     not_ahead.append(node)   # nothing at or after `wanted` (or nothing yet)
                 else:
-                    log.info("join: no parameters from %s (%s)", node, getattr(e, "reason", type(e).__name__))
+                    log.info("join: no parameters from %s within %.0f s (%s)", node, bound,
+                             getattr(e, "reason", type(e).__name__))
                 continue
             try:
                 k = rec.iteration
                 if rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
                     log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
                     continue
+                log.info("join: %.0f MB of parameters from %s in %.1f s", rec.nbytes / 1e6, node, loop.time() - t0)
                 await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
                 reply.start_iteration, reply.start_from_slot = k, True
                 note = (f"started from {node}'s parameters of iteration {k}: "
@@ -105,7 +120,7 @@ class Resume:
             finally:
                 rec.release()
             break
-        else:
+        if not note:
             if own < 0 or not not_ahead:
                 return reply, ""             # a calm start, or nobody answered
             note = (f"resumed from own checkpoint of iteration {own}: no live neighbour "

@@ -284,10 +284,11 @@ class TrainingRun:
         self.liveness.peer_up(node_id)
 
     # --- the trainer ----------------------------------------------------------------------------------
-    async def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
+    async def attach(self, req: cpb.AttachRequest, budget: float | None = None) -> cpb.AttachReply:
         """The trainer attaches; at the first attach a host joining a running swarm may start from
-        a neighbour's parameters (peerd.node.run.resume)."""
-        reply, note = await self.resume.join_swarm(await self.api.attach(req))
+        a neighbour's parameters (peerd.node.run.resume), within `budget` seconds (the Attach
+        call's deadline; None: train_attach_timeout)."""
+        reply, note = await self.resume.join_swarm(await self.api.attach(req), budget)
         if note:
             self.progress.message = note
             self.changed.set()

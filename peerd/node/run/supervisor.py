@@ -63,6 +63,7 @@ class TrainerSupervisor:
                    PEERD_RANK=str(rank), PEERD_WORLD=str(world), PEERD_SLOWDOWN=str(self.ctx.spec.slowdown),
                    PEERD_CHECKPOINT_DIR=str(self.checkpoint_dir), PEERD_RUN_ID=cfg.node.run_id,
                    PEERD_PAUSE_TIMEOUT=str(cfg.train.pause_timeout),
+                   PEERD_ATTACH_TIMEOUT=str(cfg.train.attach_timeout),
                    PEERD_CHECKPOINT_EVERY=str(cfg.train.checkpoint_every))
         return env
 
