@@ -60,6 +60,27 @@ def test_a_snapshot_being_served_is_not_reused_until_its_stream_is_done(tmp_path
     asyncio.run(go())
 
 
+def test_a_pull_answered_from_the_trainers_slot_moves_to_a_copy_before_the_trainer_writes_it(tmp_path):
+    """D-PSGD keeps its snapshot in the trainer's slot. A pull of it (a host joining the swarm)
+    over a slow link outlasts the iteration: when the Mix is answered the stream must go on from a
+    copy, as a push does, or the trainer's next step changes the bytes under it and the puller
+    refuses them (checksum; seen in the lab: a 20 MB join pull over 10 Mbit)."""
+    async def go():
+        run = _run(tmp_path, algorithm="d-psgd")
+        assert run.snapshots.in_slot
+        slot = torch.full((run.mixer.layout.total_bytes,), 7, dtype=torch.uint8)
+        await run.snapshots.take(3, slot, run.mixer.wire)
+        run.policy.k = 3
+        served = run.serve_pull("b")
+        assert served is not None and served.iteration == 3
+        await run.snapshots.release_slot(3, wait=0.0)   # Mix(3) answered: the trainer may write
+        slot.fill_(9)                                   # ... and does
+        assert all(bytes(p) == bytes([7]) * len(p) for p in served.data.pieces), "the pull's bytes changed"
+        served.done()
+
+    asyncio.run(go())
+
+
 def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):
     """A joiner asks only for parameters ahead of its own checkpoint (PullRequest.min_iteration):
     a host not that far along answers NOT_FOUND (None here) and holds no snapshot for it."""

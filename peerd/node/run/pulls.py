@@ -131,7 +131,11 @@ class Pulls:
         # Not recycled while it streams: a pull over a slow link outlasts the iterations after
         # which an own snapshot is retired, and a reused buffer fails the puller's checksum.
         snaps.hold(held, snaps.serving)
-        return Snapshot(answer.k if answer.k >= 0 else snaps.live_k, Outgoing.from_buffer(buf, wire),
+        # A snapshot in the trainer's slot streams through its pushes' movable view, which
+        # release_slot moves to a copy before the trainer writes the slot again.
+        own = snaps.outgoing.get(held)
+        data = Outgoing(own.layout, own.pieces, own.keep) if own is not None else Outgoing.from_buffer(buf, wire)
+        return Snapshot(answer.k if answer.k >= 0 else snaps.live_k, data,
                         done=lambda: snaps.release(held, snaps.serving))
 
     # --- link estimates ---------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""A host rejoins a running swarm over a slow access link (root; the lab's `star` profile: h1 on
+10 Mbit, h2 on 100 Mbit, h3 on 1 Gbit).
+
+Three daemons train a zero-compute model of MB megabytes (`peerd bench size`'s trainer) with
+D-PSGD on a ring. Once the run is under way h1 is killed (a crash); h2 and h3 train on. When they
+are JOIN_LEAD iterations further, h1's daemon restarts and `peerd train` runs there again: its
+trainer's Attach pulls a neighbour's parameters over h1's 10 Mbit link. Prints one JSON line: how
+long the pull took, and where h1 started from (its join note).
+
+    sudo .venv/bin/python docs/bench/experiments/join_slow_link.py [MB] [--daemon-arg=...]
+
+`--daemon-arg=--train-transfer-slack=0` gives the join pull only its fixed bound
+(`train_join_pull_timeout`, 10 s), as before the bound grew with the model's transfer time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from peerd.config import Config
+from peerd.lab import churn, lab, profile
+
+FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", "2.0",
+        "--rpc-timeout", "1.0", "--link-min-probe-gap", "1")
+JOIN_LEAD = 8
+SCRIPT = Path(__file__).resolve().parents[3] / "peerd" / "train" / "benchsize.py"
+
+
+def wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := pred():
+            return got
+        time.sleep(0.3)
+    raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith("--daemon-arg=")]
+    extra = tuple(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--daemon-arg="))
+    mb = float(args[0]) if args else 20.0
+    os.environ["PEERD_BENCH_BYTES"] = str(int(mb * 1e6))      # the daemons' trainers inherit it
+    os.environ["PEERD_BENCH_ITERATIONS"] = "100000"
+    train = ["--script", str(SCRIPT), "--world", "3", "--algo", "d-psgd", "--topology", "ring",
+             "--iterations", "100000"]
+    with tempfile.TemporaryDirectory(prefix="peerd-join-") as tmp:
+        d = Path(tmp) / "lab"
+        lab.up(profile.load("star"), d, Config(lab_ready_timeout=90.0), daemon_args=(*FAST, *extra))
+        streams: dict[str, churn.TrainStream] = {}
+        try:
+            lb = lab.Lab(d)
+            streams = {h: churn.TrainStream(lb, h, train) for h in lb.hosts}
+            wait(lambda: all(s.iteration() >= 1 for s in streams.values()), 300, "every host's first iteration")
+            churn.kill_host(d, "h1")
+            streams.pop("h1").finish(10)
+            base = min(streams[h].iteration() for h in ("h2", "h3"))
+            wait(lambda: min(streams[h].iteration() for h in ("h2", "h3")) >= base + JOIN_LEAD, 300,
+                 f"h2 and h3 to train {JOIN_LEAD} iterations on")
+            churn.restart_host(d, "h1")
+            t0 = time.monotonic()
+            streams["h1"] = churn.TrainStream(lb, "h1", train)
+            wait(lambda: streams["h1"].iteration() >= 1, 600, "h1's first iteration after the restart")
+            first = time.monotonic() - t0
+            log = (d / "h1" / "daemon.log").read_text(errors="replace")
+            pulled = re.findall(r"join: (\d+) MB of parameters from (\S+) in ([\d.]+) s", log)
+            failed = re.findall(r"join: no parameters from (\S+) within (\d+) s \((\w+)\)", log)
+            notes = [r.get("message", "") for r in streams["h1"].records if "parameters" in r.get("message", "")
+                     or "checkpoint" in r.get("message", "")]
+            print(json.dumps({"model_mb": mb, "daemon_args": extra, "swarm_iteration_at_restart":
+                              min(streams[h].iteration() for h in ("h2", "h3")),
+                              "h1_first_iteration": streams["h1"].records[-1].get("iteration"),
+                              "restart_to_first_iteration_s": round(first, 1), "pulled": pulled,
+                              "failed_pulls": failed, "join_note": notes[:1]}))
+        finally:
+            for s in streams.values():
+                s.proc.kill()
+            lab.down(d, Config(), purge=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
