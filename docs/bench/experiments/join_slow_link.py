@@ -27,7 +27,7 @@ from peerd.config import Config
 from peerd.lab import churn, lab, profile
 
 FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", "2.0",
-        "--rpc-timeout", "1.0", "--link-min-probe-gap", "1")
+        "--rpc-timeout", "1.0")
 JOIN_LEAD = 8
 SCRIPT = Path(__file__).resolve().parents[3] / "peerd" / "train" / "benchsize.py"
 
