@@ -81,6 +81,38 @@ def test_a_pull_answered_from_the_trainers_slot_moves_to_a_copy_before_the_train
     asyncio.run(go())
 
 
+def test_a_neighbour_back_gets_our_newest_at_once_unless_it_restarted(tmp_path):
+    """Back after a partition (same incarnation) it holds us dead and would send us nothing: our
+    newest goes to it at once. Restarted, its run reaches us with its join pull or first update,
+    and a push now would share its link with that pull."""
+    import types as _types
+
+    from peerd.net.membership import State, Transition
+    from peerd.node.run_host import RunHost
+
+    async def go():
+        members = {"b": _types.SimpleNamespace(incarnation=1)}
+        run = _run(tmp_path, algorithm="d-psgd",
+                   membership=_types.SimpleNamespace(get=members.get, alive=lambda: list(members)))
+        slot = torch.zeros(run.mixer.layout.total_bytes, dtype=torch.uint8)
+        await run.snapshots.take(0, slot, run.mixer.wire)
+        sent = []
+        run.liveness.outbound = _types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        host = RunHost(run.ctx.env, offences=None, event=lambda *a, **k: None)
+        host.training = run
+        host.on_transition(Transition("b", State.ALIVE, State.DEAD))
+        host.on_transition(Transition("b", State.DEAD, State.ALIVE))        # a healed partition
+        assert [a.dst for a in sent] == [1] and "b" in run.liveness.returning
+        host.on_transition(Transition("b", State.ALIVE, State.DEAD))
+        members["b"].incarnation = 2                                        # it restarted
+        host.on_transition(Transition("b", State.DEAD, State.ALIVE))
+        assert len(sent) == 1 and "b" in run.liveness.returning
+        host.on_restart("b", 2, 3)                                          # restarted, never seen dead
+        assert len(sent) == 1 and "b" in run.liveness.returning
+
+    asyncio.run(go())
+
+
 def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):
     """A joiner asks only for parameters ahead of its own checkpoint (PullRequest.min_iteration):
     a host not that far along answers NOT_FOUND (None here) and holds no snapshot for it."""

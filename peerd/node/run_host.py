@@ -35,6 +35,7 @@ class RunHost:
         self.rankings = Rankings()
         self._early: list[Received] = []         # peers' updates that arrived before our run started
         self._run_started = asyncio.Event()      # set while a run is on (or once stopped: nothing to wait for)
+        self._down_incarnation: dict[str, int] = {}   # a peer's incarnation when the run saw it go
         self.stopped = False
 
     # --- runs -----------------------------------------------------------------------------------
@@ -137,10 +138,14 @@ class RunHost:
         run = self.training
         if run is None:
             return
+        member = self.env.membership.get(tr.node_id)
         if tr.new in (State.DEAD, State.LEFT, None):
+            if member is not None:
+                self._down_incarnation[tr.node_id] = member.incarnation
             run.peer_down(tr.node_id)
         elif tr.new is State.ALIVE and tr.old in (State.DEAD, State.LEFT):
-            run.peer_up(tr.node_id)
+            was = self._down_incarnation.pop(tr.node_id, None)
+            run.peer_up(tr.node_id, restarted=member is not None and was is not None and member.incarnation > was)
 
     def on_restart(self, node_id: str, old: int, new: int) -> None:
         """A peer back as a new incarnation while still alive: to the run, a crash and a return."""
@@ -148,7 +153,7 @@ class RunHost:
         if run is not None:
             log.info("peer %s restarted (incarnation %d -> %d)", node_id, old, new)
             run.peer_down(node_id)
-            run.peer_up(node_id)
+            run.peer_up(node_id, restarted=True)
 
     # --- a peer's calls about runs ----------------------------------------------------------------
     def update_arriving(self, sender: str) -> None:

@@ -280,8 +280,8 @@ class TrainingRun:
     def peer_down(self, node_id: str) -> None:
         self.liveness.peer_down(node_id)
 
-    def peer_up(self, node_id: str) -> None:
-        self.liveness.peer_up(node_id)
+    def peer_up(self, node_id: str, restarted: bool = False) -> None:
+        self.liveness.peer_up(node_id, restarted)
 
     # --- the trainer ----------------------------------------------------------------------------------
     async def attach(self, req: cpb.AttachRequest, budget: float | None = None) -> cpb.AttachReply:
