@@ -6,7 +6,8 @@ D-PSGD on a ring. Once the run is under way h1 is killed (a crash); h2 and h3 tr
 are JOIN_LEAD iterations further, h1's daemon restarts and `peerd train` runs there again: its
 trainer's Attach pulls a neighbour's parameters over h1's 10 Mbit link. Prints one JSON line: the
 pulls h1's daemon made (MB, from whom, seconds), those that failed (from whom, the bound in
-seconds, why) and where h1 started from (its join note).
+seconds, why), where h1 started from (its join note) and the megabytes h1's interfaces received
+from its restart to its first iteration.
 
     sudo .venv/bin/python docs/bench/experiments/join_slow_link.py [MB] [--daemon-arg=...]
 
@@ -41,6 +42,13 @@ def wait(pred, timeout: float, what: str):
     raise SystemExit(f"timed out after {timeout} s waiting for {what}")
 
 
+def received_bytes(lb: lab.Lab, host: str) -> int:
+    """Bytes the host's interfaces have received (its namespace's counters, loopback left out)."""
+    p = lb.run(host, ["sh", "-c", "for d in /sys/class/net/*; do [ \"${d##*/}\" = lo ] || cat $d/statistics/rx_bytes; "
+                      "done"], timeout=30)
+    return sum(int(x) for x in p.stdout.split())
+
+
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--daemon-arg=")]
     extra = tuple(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--daemon-arg="))
@@ -62,17 +70,20 @@ def main() -> int:
             base = min(streams[h].iteration() for h in ("h2", "h3"))
             wait(lambda: min(streams[h].iteration() for h in ("h2", "h3")) >= base + JOIN_LEAD, 300,
                  f"h2 and h3 to train {JOIN_LEAD} iterations on")
+            rx0 = received_bytes(lb, "h1")
             churn.restart_host(d, "h1")
             t0 = time.monotonic()
             streams["h1"] = churn.TrainStream(lb, "h1", train)
             wait(lambda: streams["h1"].iteration() >= 1, 600, "h1's first iteration after the restart")
             first = time.monotonic() - t0
+            rx = received_bytes(lb, "h1") - rx0
             log = (d / "h1" / "daemon.log").read_text(errors="replace")
             pulled = re.findall(r"join: (\d+) MB of parameters from (\S+) in ([\d.]+) s", log)
             failed = re.findall(r"join: no parameters from (\S+) within (\d+) s \((\w+)\)", log)
             notes = [r.get("message", "") for r in streams["h1"].records if "parameters" in r.get("message", "")
                      or "checkpoint" in r.get("message", "")]
             print(json.dumps({"model_mb": mb, "daemon_args": extra, "restart_to_first_iteration_s": round(first, 1),
+                              "h1_received_mb_until_then": round(rx / 1e6, 1),
                               "pulled": pulled, "failed_pulls": failed, "join_note": notes[:1]}))
         finally:
             for s in streams.values():
