@@ -26,6 +26,7 @@ from pathlib import Path
 
 from peerd.config import Config
 from peerd.lab import churn, lab, profile
+from peerd.node.localswarm import wait_until
 
 FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", "2.0",
         "--rpc-timeout", "1.0")
@@ -34,12 +35,8 @@ SCRIPT = Path(__file__).resolve().parents[3] / "peerd" / "train" / "benchsize.py
 
 
 def wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := pred():
-            return got
-        time.sleep(0.3)
-    raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+    if not wait_until(pred, timeout, 0.3):
+        raise SystemExit(f"timed out after {timeout} s waiting for {what}")
 
 
 def received_bytes(lb: lab.Lab, host: str) -> int:

@@ -119,7 +119,7 @@ class Pulls:
             delay = min(1.0, delay * 2)
 
     # --- peers' pulls of us ---------------------------------------------------------------------
-    def serve(self, answer: ev.Send, wire) -> Snapshot | None:
+    def serve(self, answer: ev.Send) -> Snapshot | None:
         """The policy's answer to a peer's pull, streamed from our snapshot; None when that
         iteration is no longer held."""
         snaps = self.snapshots
@@ -131,10 +131,10 @@ class Pulls:
         # Not recycled while it streams: a pull over a slow link outlasts the iterations after
         # which an own snapshot is retired, and a reused buffer fails the puller's checksum.
         snaps.hold(held, snaps.serving)
-        # A snapshot in the trainer's slot streams through its pushes' movable view, which
-        # release_slot moves to a copy before the trainer writes the slot again.
-        own = snaps.outgoing.get(held)
-        data = Outgoing(own.layout, own.pieces, own.keep) if own is not None else Outgoing.from_buffer(buf, wire)
+        # Through the pushes' view of it: one in the trainer's slot is movable, and release_slot
+        # moves it to a copy before the trainer writes the slot again.
+        own = snaps.outgoing[held]
+        data = Outgoing(own.layout, own.pieces, own.keep)
         return Snapshot(answer.k if answer.k >= 0 else snaps.live_k, data,
                         done=lambda: snaps.release(held, snaps.serving))
 

@@ -265,7 +265,7 @@ class TrainingRun:
         if answer is None:
             log.debug("pull from %s: the policy answers nothing (%s)", requester, actions)
             return None
-        return self.pulls.serve(answer, self.mixer.wire)
+        return self.pulls.serve(answer)
 
     def on_tokens(self, node_id: str, n: int) -> None:
         src = self.ctx.rank_of(node_id)
