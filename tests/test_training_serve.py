@@ -113,6 +113,30 @@ def test_a_neighbour_back_gets_our_newest_at_once_unless_it_restarted(tmp_path):
     asyncio.run(go())
 
 
+def test_a_joiners_pull_readmits_it_only_under_a_pull_policy(tmp_path):
+    """Under a push policy the only pull is a joiner's, before its trainer starts: re-admitted
+    then, we would wait on it for the whole pull (the silent bound: the swarm held behind us) and
+    push it our update over the link the pull needs. Its first update re-admits it. Under a pull
+    policy a pull is its run back (a passive worker sends nothing else)."""
+    async def go(algorithm: str) -> tuple[bool, set[int], list]:
+        run = _run(tmp_path / algorithm, algorithm=algorithm)
+        await _publish(run, 5)
+        sent = []
+        run.liveness.outbound = types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
+        run.liveness.peer_down("b")
+        run.liveness.peer_up("b", restarted=True)
+        served = run.serve_pull("b", min_iteration=2)
+        assert served is not None and served.iteration == 5
+        served.done()
+        return "b" in run.liveness.returning, set(run.policy.dead), sent
+
+    returning, dead, sent = asyncio.run(go("d-psgd"))
+    assert returning and dead == {1} and not sent, "a push policy re-admitted the joiner at its pull"
+    returning, dead, sent = asyncio.run(go("ad-psgd"))
+    assert not returning and dead == set()
+
+
 def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):
     """A joiner asks only for parameters ahead of its own checkpoint (PullRequest.min_iteration):
     a host not that far along answers NOT_FOUND (None here) and holds no snapshot for it."""

@@ -6,8 +6,11 @@ D-PSGD on a ring. Once the run is under way h1 is killed (a crash); h2 and h3 tr
 are JOIN_LEAD iterations further, h1's daemon restarts and `peerd train` runs there again: its
 trainer's Attach pulls a neighbour's parameters over h1's 10 Mbit link. Prints one JSON line: the
 pulls h1's daemon made (MB, from whom, seconds), those that failed (from whom, the bound in
-seconds, why), where h1 started from (its join note) and the megabytes h1's interfaces received
-from its restart to its first iteration.
+seconds, why), where h1 started from (its join note), the megabytes h1's interfaces received
+from its restart to its first iteration, the seconds until h1 had done MIXES more iterations
+(each a mix with neighbours over its slow link), and the longest time h2 and h3 went without an
+iteration from h1's restart to its first iteration (the join held them back) and from then until
+its MIXES more (D-PSGD waits on the slow link each iteration).
 
     sudo .venv/bin/python docs/bench/experiments/join_slow_link.py [MB] [--daemon-arg=...]
 
@@ -31,6 +34,7 @@ from peerd.node.localswarm import wait_until
 FAST = ("--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--dead-after", "2.0",
         "--rpc-timeout", "1.0")
 JOIN_LEAD = 8
+MIXES = 2          # h1's iterations after it joined: mixes with its neighbours over the slow link
 SCRIPT = Path(__file__).resolve().parents[3] / "peerd" / "train" / "benchsize.py"
 
 
@@ -69,11 +73,17 @@ def main() -> int:
                  f"h2 and h3 to train {JOIN_LEAD} iterations on")
             rx0 = received_bytes(lb, "h1")
             churn.restart_host(d, "h1")
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             streams["h1"] = churn.TrainStream(lb, "h1", train)
             wait(lambda: streams["h1"].iteration() >= 1, 600, "h1's first iteration after the restart")
-            first = time.monotonic() - t0
+            first, wall1 = time.monotonic() - t0, time.time()
             rx = received_bytes(lb, "h1") - rx0
+            joined_at = streams["h1"].iteration()
+            wait(lambda: streams["h1"].iteration() >= joined_at + MIXES, 600, f"h1's {MIXES} mixes after it joined")
+            mixed = time.monotonic() - t0
+            wall2 = time.time()
+            stalls = {h: [round(churn.longest_stall(streams[h].records, a, b), 1) for a, b in ((wall0, wall1), (wall1, wall2))]
+                      for h in ("h2", "h3")}
             log = (d / "h1" / "daemon.log").read_text(errors="replace")
             pulled = re.findall(r"join: (\d+) MB of parameters from (\S+) in ([\d.]+) s", log)
             failed = re.findall(r"join: no parameters from (\S+) within (\d+) s \((\w+)\)", log)
@@ -81,6 +91,8 @@ def main() -> int:
                      or "checkpoint" in r.get("message", "")]
             print(json.dumps({"model_mb": mb, "daemon_args": extra, "restart_to_first_iteration_s": round(first, 1),
                               "h1_received_mb_until_then": round(rx / 1e6, 1),
+                              f"restart_to_{MIXES}_more_iterations_s": round(mixed, 1),
+                              "longest_stall_of_the_others_s_join_then_after": stalls,
                               "pulled": pulled, "failed_pulls": failed, "join_note": notes[:1]}))
         finally:
             for s in streams.values():

@@ -39,8 +39,8 @@ admitter, and a member that returns keeps the table it has (the same limit as fo
 from two different membership views).
 
 A member that was down during an admission learns the table when it rejoins (it asks a live member
-first). A joiner is PeerUp to a member once its run reaches it (its parameter pull or first
-update), like a returning peer; it then pulls the current parameters (peerd.node.run.resume),
+first). A joiner is PeerUp to a member once its run reaches it (its first update; under a pull
+policy its first pull), like a returning peer; it then pulls the current parameters (peerd.node.run.resume),
 starts at the neighbour's iteration and trains on data shard `rank mod world` (the data is dealt
 over the founding world).
 """
@@ -310,7 +310,7 @@ def claim(run: TrainingRun, node: str, rank: int) -> str:
     new = node not in run.nodes
     why = take(run.nodes, run.spec.world, node, rank)
     if not why and new:
-        run.liveness.returning.add(node)    # PeerUp once its run reaches us (its pull or first update)
+        run.liveness.returning.add(node)    # PeerUp once its run reaches us (PeerLiveness)
         log.info("run %s: rank %d taken by %s", run.tag, rank, node)
     return why
 

@@ -2,8 +2,9 @@
 
 - Peers the failure detector marks dead (or that leave) are PeerDown for the policy, so no policy
   waits on a dead peer. A peer that comes back is PeerUp only once its run is back too (its first
-  update or pull for this run reaches us, tagged with its iteration): a host whose daemon is up but
-  whose trainer is still starting is not waited on. Our newest update is pushed to a returning
+  update for this run reaches us, tagged with its iteration; its RESUMING notice when its join
+  pull is done; under a pull policy its first pull): a host whose daemon is up but whose trainer
+  is still starting, or still pulling the swarm's parameters to join, is not waited on. Our newest update is pushed to a returning
   peer (outside the policy), so that two sides of a healed partition, each holding the other
   dead, re-admit each other.
 - A live daemon whose trainer does not contribute is "absent", also PeerDown: its daemon announces
@@ -137,6 +138,11 @@ class PeerLiveness:
             self.set_absent(src, "restarting")
         elif state == pb.TrainerNotice.STATE_RESUMING:
             self.absent_at.pop(src, None)   # it may resume from a checkpoint older than k
+            # A joiner says so once its join pull is done and its trainer about to start
+            # (Resume.join_swarm): its run is back, at about our iteration (it starts at the
+            # lowest of its neighbours'). Our newest goes to it now, over a link its pull no
+            # longer needs.
+            self.back_in_run(sender, self.ctx.policy.k)
         elif state == pb.TrainerNotice.STATE_FINISHED:
             self.set_absent(src, "finished")
 

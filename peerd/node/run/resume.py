@@ -125,16 +125,27 @@ class Resume:
                 return reply, ""             # a calm start, or nobody answered
             note = (f"resumed from own checkpoint of iteration {own}: no live neighbour "
                     f"({', '.join(not_ahead)}) is more than {cfg.join_min_lead} iterations ahead")
-        self.join_note = reply.join_note = note
-        # Members with nothing published in this run (their trainer is starting too: several hosts
-        # restarted together) are absent until their first update, not waited on for
-        # train_silent_peer_timeout at our first mixes. Not under a pull policy: it gets no update
-        # it did not ask for, and it would never ask an absent member, so it would leave that
-        # member out for the whole run (a pull of a trainer still starting fails within its bound).
         if not ctx.policy.pulls:
-            for i, k in (await self.member_iterations()).items():
+            # Our RESUMING notice tells each member that our run is back (they re-admit us and
+            # push us their newest now, not during the pull) and asks for its iteration. The
+            # swarm went on while the parameters crossed a slow link: we start at the lowest
+            # iteration of our live neighbours, as a restarted trainer does, or every neighbour
+            # would wait on us until we had computed our way up to it.
+            # Members with nothing published in this run (their trainer is starting too: several
+            # hosts restarted together) are absent until their first update, not waited on for
+            # train_silent_peer_timeout at our first mixes. Not under a pull policy: it gets no
+            # update it did not ask for, and it would never ask an absent member, so it would
+            # leave that member out for the whole run (a pull of a trainer still starting fails
+            # within its bound); there a pull re-admits (TrainingRun.serve_pull).
+            theirs = await self.member_iterations()
+            for i, k in theirs.items():
                 if k < 0:
                     self.liveness.set_absent(i, "restarting")
+            lowest = min((k for k in theirs.values() if k >= 0), default=-1)
+            if reply.start_from_slot and lowest > reply.start_iteration:
+                note += f"; continuing at iteration {lowest}, the lowest of its live neighbours'"
+                reply.start_iteration = lowest
+        self.join_note = reply.join_note = note
         log.info("join: %s", note)
         return reply, note
 

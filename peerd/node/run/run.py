@@ -252,11 +252,18 @@ class TrainingRun:
     def serve_pull(self, requester: str, min_iteration: int = 0) -> Snapshot | None:
         """A peer pulls: the policy says what to answer; a Send to the requester is the answer.
         Nothing (NOT_FOUND) when we are not yet at `min_iteration` (a joiner asks only for
-        parameters ahead of its own)."""
+        parameters ahead of its own).
+
+        Under a pull policy a returning peer's pull is its run back (a passive worker sends
+        nothing else). Under a push policy the only pull is a joiner's, made before its trainer
+        starts: re-admitted then, we would wait on it for the whole pull (the silent bound, 30 s
+        in the lab over 10 Mbit, with the swarm held behind us) and push it our update over the
+        link the pull needs. Its first update re-admits it (PeerLiveness.check_readmission)."""
         src = self.ctx.rank_of(requester)
         if src < 0 or self.mixer.layout is None:
             return None
-        self.liveness.back_in_run(requester, self.policy.k)
+        if self.policy.pulls:
+            self.liveness.back_in_run(requester, self.policy.k)
         if self.policy.k < min_iteration:
             return None
         actions = self.driver.decide(ev.PullRequested(src))
