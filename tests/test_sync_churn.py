@@ -236,3 +236,15 @@ def test_hop_jumps_only_past_the_gap_bound():
     p.on_event(UpdateArrived(2, 4), 0.1)        # 4 ahead: the bound, not beyond it
     acts = p.on_event(MixRequested(0), 0.2)
     assert any(isinstance(a, Mix) for a in acts) and not any(isinstance(a, Skip) for a in acts)
+
+
+@pytest.mark.parametrize("algo", ["d-psgd", "hop", "aau"])
+def test_a_readmission_right_after_a_publish_does_not_send_the_update_twice(algo):
+    """A restarted trainer resyncs its neighbours (PeerUp at their iteration) at its first
+    publish, which has just sent them that update: a second Send is a whole model again. A
+    neighbour that was down since gets it again (what was on its way may be lost)."""
+    p = registry.build_one(algo, 3, T.make("ring", 3), 0)
+    assert sorted(a.dst for a in p.on_event(Published(5), 0.0) if isinstance(a, Send)) == [1, 2]
+    assert not [a for a in p.on_event(PeerUp(1, 5), 0.0) if isinstance(a, Send)]
+    p.on_event(PeerDown(1), 0.0)
+    assert [(a.dst, a.k) for a in p.on_event(PeerUp(1, 5), 0.0) if isinstance(a, Send)] == [(1, 5)]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp, Published,
-                               Send, Tick, UpdateArrived, Wait)
+                               Tick, UpdateArrived, Wait)
 from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology, renormalise
@@ -116,7 +116,7 @@ class AAU(Policy):
 
     def on_published(self, ev: Published, now: float) -> list[Action]:
         self.k = ev.k
-        return [Send(j, ev.k) for j in self.nb if j not in self.dead]
+        return self.sends([j for j in self.nb if j not in self.dead], ev.k)
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         self.want = ev.k
@@ -159,8 +159,8 @@ class AAU(Policy):
 
     def on_peer_up(self, ev: PeerUp, now: float) -> list[Action]:
         out = self._retopo()
-        if self.k >= 0 and ev.peer in self.nb and not any(isinstance(a, Send) and a.dst == ev.peer for a in out):
-            out.append(Send(ev.peer, self.k))
+        if self.k >= 0 and ev.peer in self.nb:
+            out += self.sends([ev.peer], self.k)
         return out + self._try(now)
 
     def _retopo(self) -> list[Action]:
@@ -169,7 +169,7 @@ class AAU(Policy):
         self.topo = topology.repair(self.base, self.dead)
         self.adj = self.topo.adjacency()
         self.nb = list(self.topo.in_neighbors(self.me))
-        out: list[Action] = [Send(j, self.k) for j in self.nb if j not in old and self.k >= 0]
+        out: list[Action] = self.sends([j for j in self.nb if j not in old], self.k) if self.k >= 0 else []
         for j in [j for j in self.held if j not in self.nb]:
             out.extend(Drop(j, x) for x in sorted(self.held.pop(j)))
         return out

@@ -64,7 +64,7 @@ from __future__ import annotations
 from typing import Any
 
 from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown, PeerUp, Published,
-                               Send, Skip, Tick, TokensArrived, UpdateArrived, Wait)
+                               Skip, Tick, TokensArrived, UpdateArrived, Wait)
 from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology
@@ -145,7 +145,7 @@ class Hop(Policy):
         if ev.k <= self.k:
             raise ValueError(f"Published: iteration {ev.k} after {self.k}")
         self.k = ev.k
-        return [Send(j, ev.k) for j in self.live_out(ev.k)]
+        return self.sends(self.live_out(ev.k), ev.k)
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         if ev.k != self.k:
@@ -207,9 +207,8 @@ class Hop(Policy):
         self.granted[ev.peer] = ev.k
         self.spent[ev.peer] = max(self.k, 0)
         self.seen.pop(ev.peer, None)  # a restarted peer's tags start again
-        if self.k >= 0 and ev.peer in self.live_out(self.k) and not any(
-                isinstance(a, Send) and a.dst == ev.peer for a in out):
-            out.append(Send(ev.peer, self.k))
+        if self.k >= 0 and ev.peer in self.live_out(self.k):
+            out += self.sends([ev.peer], self.k)
         return out + self._try(now)
 
     def _retopo(self) -> list[Action]:
@@ -225,7 +224,7 @@ class Hop(Policy):
             if j not in before:
                 self.granted[j] = self.spent[j] = max(self.k, 0)
                 if self.k >= 0:
-                    out.append(Send(j, self.k))
+                    out += self.sends([j], self.k)
         ins = set(self.topo.in_neighbors(self.me, k))
         for j in list(self.held):
             if j not in ins:

@@ -14,7 +14,7 @@ A policy never sleeps, reads a clock or does I/O. The driver (daemon, simulator,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
                                Published, PullFailed, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
@@ -57,6 +57,7 @@ class Policy:
         self.mixes = 0         # mixes emitted
         self.dead: set[int] = set()
         self.waiting = WaitInfo()
+        self.sent: dict[int, int] = {}   # peer -> the newest of our iterations pushed to it since it was last down
 
     def on_event(self, ev: Event, now: float) -> list[Action]:
         match ev:
@@ -74,6 +75,7 @@ class Policy:
                 return self.on_pull_failed(ev, now)
             case PeerDown():
                 self.dead.add(ev.peer)
+                self.sent.pop(ev.peer, None)   # what was on its way may be lost
                 return self.on_peer_down(ev, now)
             case PeerUp():
                 self.dead.discard(ev.peer)
@@ -83,6 +85,17 @@ class Policy:
             case Tick():
                 return self.on_tick(ev, now)
         raise TypeError(f"event: unknown event {ev!r}")
+
+    def sends(self, peers: Iterable[int], k: int) -> list[Send]:
+        """Send(j, k) to each of `peers` that has not had our k since it was last down: a peer
+        re-admitted right after our publish (a restarted trainer resyncs its neighbours at its first
+        publish) would otherwise get the same update, a whole model, twice."""
+        out = []
+        for j in peers:
+            if self.sent.get(j) != k:
+                self.sent[j] = k
+                out.append(Send(j, k))
+        return out
 
     # Defaults: ignore what the algorithm does not use.
     def on_published(self, ev: Published, now: float) -> list[Action]:
