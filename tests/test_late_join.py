@@ -80,7 +80,7 @@ def test_fifth_host_joins_a_running_four_host_job(daemons):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    founders, joiner = runs[:4], runs[4]
+    joiner = runs[4]
     assert all(records[-1]["state"] == "done" for records in runs), [records[-1] for records in runs]
     assert {r["rank"] for r in joiner if r["state"] == "training"} == {4}, joiner[-3:]
     started = next((r["message"] for r in joiner if "started from" in r["message"]), "")

@@ -402,7 +402,7 @@ def test_probes_that_met_cross_traffic_do_not_drag_the_capacity_down():
 def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
-    est, gap = t.estimate("b"), CFG.links.min_probe_gap
+    est = t.estimate("b")
     period = t.bw_period("b")
     now = t.next_due(now)
     while BW not in probe_all(t, now, bw, rtt, share=0.5):
@@ -420,7 +420,7 @@ def test_a_low_probe_is_rechecked_sooner_and_a_clean_recheck_keeps_the_capacity(
 def test_a_real_drop_is_followed_within_a_period_and_the_rechecks():
     bw, rtt = 6.25e6, 0.04
     t, now = settled(bw, rtt)
-    est, gap, g = t.estimate("b"), CFG.links.min_probe_gap, CFG.links.settle_growth
+    est, g = t.estimate("b"), CFG.links.settle_growth
     bound = t.bw_period("b") * (1 + sum(CFG.links.capacity_recheck * g ** k
                                         for k in range(CFG.links.capacity_confirm))) + 1.0
     dropped_at = now

@@ -147,7 +147,7 @@ def test_replanner_logs_a_change_only_when_inputs_moved_and_the_choice_differs(c
 @pytest.mark.slow
 def test_live_swarm(daemons):
     a = daemons("pa")
-    b = daemons("pb", seeds=[a.address])
+    daemons("pb", seeds=[a.address])
 
     def measured():
         out = run_cli("links", "--json", "--data-dir", str(a.data_dir), check=False)

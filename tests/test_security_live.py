@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from cli.main import cli
 from peerd import PROTOCOL_VERSION
 from peerd.config import Config
-from peerd.net.auth import NODE_KEY, RECEIVER_KEY, body_hash
+from peerd.net.auth import NODE_KEY, RECEIVER_KEY
 from peerd.net.dataplane import PUSH_METHOD, DataPlane, Outgoing, TransferError, grpc_options
 from peerd.v1 import peer_pb2 as pb
-from tests.daemons import SECRET, FAST, peer_states, wait_for
+from tests.daemons import peer_states, wait_for
 from tests.members import as_daemon, call, member
 
 PING = "/peerd.v1.Peer/Ping"

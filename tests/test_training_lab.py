@@ -7,7 +7,6 @@ Runs as root (CI does); skips only where network namespaces cannot be made.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys

@@ -360,7 +360,7 @@ NAT_RULES = """table ip peerd_nat {{
 def _start_wires(profile: Profile, state: dict[str, Any], lab_dir: Path, cfg: Config, python: str,
                  uplink: dict[str, tuple[str, str]], bridge: dict[str, str], core: str) -> None:
     """Delay wires: one process per delayed site, holding its two TAPs."""
-    sw, hosts, t = state["switch"], state["hosts"], cfg.lab.cmd_timeout
+    sw, t = state["switch"], cfg.lab.cmd_timeout
     for s in profile.sites:
         if s not in set(profile.delayed_sites):
             continue
