@@ -235,7 +235,8 @@ class DataPlaneConfig:
     total_bytes: int = _f(8 << 30, "receive bytes held over all peers")
     admit_timeout: float = _f(5.0, "seconds a transfer waits for the byte budget before it is refused")
     stall_timeout: float = _f(20.0, "seconds without a stream message before a transfer is aborted")
-    min_rate: int = _f(1_000_000, "bytes/s below which a transfer is too slow: sets its deadline")
+    min_rate: int = _f(1_000_000, "bytes/s below which a transfer is too slow: sets its deadline (our pushes in "
+                                  "flight at once share it: they share our uplink)")
     max_rpcs_per_peer: int = _f(4, "data-plane RPCs in flight to (and accepted from) one peer")
     max_header_bytes: int = _f(1 << 20, "largest tensor header (the layout) accepted, bytes")
     max_tensors: int = _f(1 << 16, "most tensors in one transfer's layout")

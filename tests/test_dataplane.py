@@ -616,3 +616,34 @@ def test_crc32c_and_crc32_senders_reach_one_receiver_and_a_wrong_crc32c_is_refus
             finally:
                 await c.stop()
     run(main())
+
+
+def test_pushes_in_flight_together_share_the_floor_rate_in_their_deadlines():
+    """Pushes to several neighbours at once share our uplink: each gets the floor rate
+    (dataplane_min_rate) divided among them. Over a 10 Mbit link two 20 MB updates take 32 s;
+    a deadline for one alone at the floor (1 MB/s: 40 s) cut one at 19 of 20 MB in the lab."""
+    from peerd.net.dataplane import DataPlane
+
+    cfg = Config().replace(dataplane_stall_timeout=20.0, dataplane_min_rate=1_000_000)
+    asked: list[float] = []
+
+    class Channel:
+        def stream_unary(self, method):
+            async def call(frames, metadata, timeout):
+                asked.append(timeout)
+                async for _ in frames:
+                    await asyncio.sleep(0.01)      # the others start while this one streams
+                return pb.TransferReply().SerializeToString()
+            return call
+
+    async def go():
+        dp = DataPlane(cfg, "me", "default", on_received=lambda r: r.release())
+        data = [torch.zeros(250_000)]              # 1 MB
+        await asyncio.gather(*(dp.push(Channel(), peer, data, iteration=0) for peer in ("a", "b")))
+        await dp.push(Channel(), "a", data, iteration=1)
+        assert dp._pushing == 0
+
+    asyncio.run(go())
+    one = 20.0 + 1_000_000 / 1_000_000
+    assert asked[:2] == [pytest.approx(20.0 + 2.0)] * 2, asked     # started together: each counts the other
+    assert asked[2] == pytest.approx(one), asked                   # alone again

@@ -406,6 +406,7 @@ class DataPlane:
         self.copies = cp.ReceiverCopies(config.dataplane.copies_max)   # senders' public copies
         self._budget: Budget | None = None
         self._client_sems: dict[str, asyncio.Semaphore] = {}
+        self._pushing = 0      # our pushes in flight, to every peer: they share this host's uplink
         self._server_active: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count((int.from_bytes(os.urandom(4), "big") << 20) + 1)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -675,9 +676,10 @@ class DataPlane:
             sem = self._client_sems[peer] = asyncio.Semaphore(self.cfg.dataplane.max_rpcs_per_peer)
         return sem
 
-    def deadline(self, nbytes: int) -> float:
-        """Seconds a transfer of `nbytes` may take before it counts as failed."""
-        return self.cfg.dataplane.stall_timeout + nbytes / self.cfg.dataplane.min_rate
+    def deadline(self, nbytes: int, sharing: int = 1) -> float:
+        """Seconds a transfer of `nbytes` may take before it counts as failed, when `sharing`
+        transfers of ours (itself included) share the link at dataplane_min_rate."""
+        return self.cfg.dataplane.stall_timeout + max(1, sharing) * nbytes / self.cfg.dataplane.min_rate
 
     async def push(self, channel: grpc.aio.Channel, peer: str, data: Outgoing | Sequence[torch.Tensor], *,
                    metadata: Sequence[tuple[str, str]] = (), iteration: int, kind: str = "model",
@@ -692,26 +694,30 @@ class DataPlane:
         comp = _compression(self.cfg.dataplane.compression if compression is None else compression)
         copy_mode = (comp in cp.BITS or data.ranges is not None) and self.layout_for(kind) is not None
         async with self._sem(peer):
-            for attempt in range(2 if copy_mode else 1):
-                t0 = time.perf_counter()
-                if copy_mode:   # an increment of our public copy (a keyframe on the retry)
-                    prep = await _Prepared.in_copy_mode(self, data, comp, iteration, peer, kind, attempt > 0)
-                else:
-                    prep = await _Prepared.plain(self, data, comp, checksum, measure=True)
-                try:
-                    raw = await self._send(channel, peer, prep, iteration, kind, metadata, timeout)
-                except TransferError as e:
-                    if copy_mode:
-                        self.senders.failed(kind, peer)
-                        if e.reason == "copy_base" and attempt == 0:
-                            self.counters["copy_refused"] += 1
-                            continue
-                    raise
-                finally:
-                    prep.release()
-                if prep.copy is not None:
-                    self.senders.delivered(kind, peer, prep.copy)
-                break
+            self._pushing += 1      # from here on, so that pushes started together count each other
+            try:
+                for attempt in range(2 if copy_mode else 1):
+                    t0 = time.perf_counter()
+                    if copy_mode:   # an increment of our public copy (a keyframe on the retry)
+                        prep = await _Prepared.in_copy_mode(self, data, comp, iteration, peer, kind, attempt > 0)
+                    else:
+                        prep = await _Prepared.plain(self, data, comp, checksum, measure=True)
+                    try:
+                        raw = await self._send(channel, peer, prep, iteration, kind, metadata, timeout)
+                    except TransferError as e:
+                        if copy_mode:
+                            self.senders.failed(kind, peer)
+                            if e.reason == "copy_base" and attempt == 0:
+                                self.counters["copy_refused"] += 1
+                                continue
+                        raise
+                    finally:
+                        prep.release()
+                    if prep.copy is not None:
+                        self.senders.delivered(kind, peer, prep.copy)
+                    break
+            finally:
+                self._pushing -= 1
         reply = pb.TransferReply.FromString(raw)
         self.counters["pushes_sent"] += 1
         self.counters["bytes_sent"] += prep.wire_bytes
@@ -729,8 +735,11 @@ class DataPlane:
 
         call = channel.stream_unary(PUSH_METHOD)
         try:
+            # Pushes to several neighbours at once share our uplink: over a 10 Mbit link two
+            # 20 MB updates take 32 s, and a deadline for one of them at the floor rate cut them
+            # at 19 of 20 MB (in the lab, a host joining over its slow link).
             return await rpc(call(frames(), metadata=tuple(metadata),
-                                  timeout=timeout or self.deadline(prep.wire_bytes)))
+                                  timeout=timeout or self.deadline(prep.wire_bytes, self._pushing)))
         except grpc.aio.UsageError:       # the channel was closed before the call began
             self.counters["pushes_failed"] += 1
             raise _channel_closed(f"push to {peer}") from None
