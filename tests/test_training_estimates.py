@@ -133,10 +133,12 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
     assert 0.98 <= marks["b3"] < 1.5, marks     # 0.5 + 0.5 s
 
 
-def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0, budget=None, **overrides):
+def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0, budget=None, theirs=None,
+            **overrides):
     """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
     a2 answers the join pull at iteration `neighbour_at` (NOT_FOUND when asked for a later one, as
-    a daemon does), every other member has published nothing yet. Returns the run, the reply and
+    a daemon does), the other members are at `theirs` (rank -> iteration; by default they have
+    published nothing yet). Returns the run, the reply and
     the iterations the pulls asked for (`asked`) and were answered with whole models (`moved`)."""
     cfg = Config().replace(run_id="t", **overrides)
     alive = types.SimpleNamespace(address="x:1", state=types.SimpleNamespace(value="alive"))
@@ -162,14 +164,24 @@ def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0,
         if own_checkpoint >= 0:
             torch.save({"iteration": own_checkpoint}, run.resume.checkpoint_dir / "latest.pt")
 
-        async def nothing_published(quiet=False, every=False):
-            return {i: -1 for i in range(1, len(NODES))}
-        run.resume.member_iterations = nothing_published
+        async def member_iterations(quiet=False, every=False):
+            return {i: (theirs or {}).get(i, -1) for i in range(1, len(NODES))}
+        run.resume.member_iterations = member_iterations
         reply, note = await run.resume.join_swarm(cpb.AttachReply(), budget)
         cancel_tasks(run)
         return run, reply, types.SimpleNamespace(asked=asked, moved=moved, note=note)
     run, reply, pulls = asyncio.run(go())
     return run, reply, pulls
+
+
+def test_a_joiner_starts_at_its_neighbours_lowest_iteration_not_where_its_pull_began(tmp_path):
+    """The swarm trained on while the parameters crossed the link: starting at the pulled
+    iteration, every neighbour would wait on the joiner until it had computed its way up."""
+    run, reply, pulls = _joiner(tmp_path / "push", "d-psgd", neighbour_at=20, theirs={1: 27, 2: 26})
+    assert reply.start_from_slot and reply.start_iteration == 26, reply
+    assert pulls.note.endswith("continuing at iteration 26, the lowest of its live neighbours'"), pulls.note
+    run, reply, pulls = _joiner(tmp_path / "pull", "netmax", neighbour_at=20, theirs={1: 27, 2: 26})
+    assert reply.start_iteration == 20, reply     # a pull policy asks no one (its pull re-admitted it)
 
 
 def test_a_join_marks_starting_members_absent_only_under_a_policy_that_waits_for_updates(tmp_path):

@@ -137,6 +137,30 @@ def test_a_joiners_pull_readmits_it_only_under_a_pull_policy(tmp_path):
     assert not returning and dead == set()
 
 
+def test_a_joiners_resuming_notice_readmits_it_and_sends_it_our_newest(tmp_path):
+    """Its join pull done, the joiner's RESUMING notice says its run is back: re-admitted at our
+    iteration, it gets our newest update now (over a link its pull no longer needs). A peer not
+    returning (a restarted trainer behind a live daemon) is re-admitted by its next update."""
+    from peerd.v1 import peer_pb2 as pb
+
+    async def go():
+        run = _run(tmp_path, algorithm="d-psgd")
+        await _publish(run, 7)
+        sent = []
+        run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
+        run.liveness.outbound = types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        run.liveness.peer_down("b")
+        run.liveness.peer_up("b", restarted=True)
+        run.on_notice("c", pb.TrainerNotice.STATE_RESUMING, 3)
+        assert 1 in run.policy.dead and not sent
+        run.on_notice("b", pb.TrainerNotice.STATE_RESUMING, -1)
+        return run, sent
+
+    run, sent = asyncio.run(go())
+    assert "b" not in run.liveness.returning and 1 not in run.policy.dead
+    assert [(a.dst, a.k) for a in sent] == [(1, 7)], sent
+
+
 def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):
     """A joiner asks only for parameters ahead of its own checkpoint (PullRequest.min_iteration):
     a host not that far along answers NOT_FOUND (None here) and holds no snapshot for it."""

@@ -4,9 +4,9 @@
   waits on a dead peer. A peer that comes back is PeerUp only once its run is back too (its first
   update for this run reaches us, tagged with its iteration; its RESUMING notice when its join
   pull is done; under a pull policy its first pull): a host whose daemon is up but whose trainer
-  is still starting, or still pulling the swarm's parameters to join, is not waited on. Our newest update is pushed to a returning
-  peer (outside the policy), so that two sides of a healed partition, each holding the other
-  dead, re-admit each other.
+  is still starting, or still pulling the swarm's parameters to join, is not waited on. Our newest
+  update is pushed to a returning peer (outside the policy), so that two sides of a healed
+  partition, each holding the other dead, re-admit each other.
 - A live daemon whose trainer does not contribute is "absent", also PeerDown: its daemon announces
   a crashed trainer (ABSENT) and a finished one (FINISHED) at once. Without a notice (a hung
   trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout` (plus two of our

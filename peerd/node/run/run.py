@@ -258,7 +258,8 @@ class TrainingRun:
         nothing else). Under a push policy the only pull is a joiner's, made before its trainer
         starts: re-admitted then, we would wait on it for the whole pull (the silent bound, 30 s
         in the lab over 10 Mbit, with the swarm held behind us) and push it our update over the
-        link the pull needs. Its first update re-admits it (PeerLiveness.check_readmission)."""
+        link the pull needs. Its RESUMING notice, once the pull is done, re-admits it (or its first
+        update: PeerLiveness)."""
         src = self.ctx.rank_of(requester)
         if src < 0 or self.mixer.layout is None:
             return None
