@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import inspect
 import itertools
 import logging
@@ -386,6 +387,21 @@ class Budget:
 
 # ---- the data plane --------------------------------------------------------------------------
 
+async def checksum_in(pool: concurrent.futures.Executor, algo: str, pieces: Sequence[memoryview]) -> int:
+    """`algo`'s checksum of the concatenated `pieces`, computed in `pool`'s threads (crc32 in
+    parallel parts combined; crc32c, five times faster, in one pass)."""
+    if algo == "crc32c":
+        return await asyncio.wrap_future(pool.submit(tw.crc32c, list(pieces)))
+    parts = tw.split(pieces, CRC_PART)
+    if sum(len(p) for p in parts) < 1 << 20:
+        return tw.crc32(parts)
+    crcs = await asyncio.gather(*(asyncio.wrap_future(pool.submit(tw.zlib.crc32, p)) for p in parts))
+    out = 0
+    for c, p in zip(crcs, parts):
+        out = tw.crc32_combine(out, c, len(p))
+    return out
+
+
 class DataPlane:
     """Server handlers and client calls for tensor transfers of one node in one run."""
 
@@ -434,19 +450,8 @@ class DataPlane:
         return "crc32" if algo == "crc32c" and not tw.HAVE_CRC32C else algo
 
     async def checksum(self, pieces: Sequence[memoryview]) -> int:
-        """This node's checksum (checksum_algo) of the concatenated `pieces`, off the event loop
-        (crc32 in parallel parts combined; crc32c, five times faster, in one pass)."""
-        if self.checksum_algo == "crc32c":
-            return await asyncio.wrap_future(self.crc_pool.submit(tw.crc32c, list(pieces)))
-        parts = tw.split(pieces, CRC_PART)
-        if sum(len(p) for p in parts) < 1 << 20:
-            return tw.crc32(parts)
-        crcs = await asyncio.gather(*(asyncio.wrap_future(self.crc_pool.submit(tw.zlib.crc32, p))
-                                      for p in parts))
-        out = 0
-        for c, p in zip(crcs, parts):
-            out = tw.crc32_combine(out, c, len(p))
-        return out
+        """This node's checksum (checksum_algo) of the concatenated `pieces`, off the event loop."""
+        return await checksum_in(self.crc_pool, self.checksum_algo, pieces)
 
     async def seal(self, data: Outgoing) -> int:
         """Checksum `data` now (e.g. at publish, before the policy picks peers), so no push pays it.
@@ -678,7 +683,9 @@ class DataPlane:
 
     def deadline(self, nbytes: int, sharing: int = 1) -> float:
         """Seconds a transfer of `nbytes` may take before it counts as failed, when `sharing`
-        transfers of ours (itself included) share the link at dataplane_min_rate."""
+        transfers of ours (itself included) share the link at dataplane_min_rate (pushes to several
+        neighbours share our uplink: over 10 Mbit two 20 MB updates take 32 s, and one alone at the
+        1 MB/s floor got 40 s: it was cut at 19 of 20 MB in the lab)."""
         return self.cfg.dataplane.stall_timeout + max(1, sharing) * nbytes / self.cfg.dataplane.min_rate
 
     async def push(self, channel: grpc.aio.Channel, peer: str, data: Outgoing | Sequence[torch.Tensor], *,
@@ -735,9 +742,6 @@ class DataPlane:
 
         call = channel.stream_unary(PUSH_METHOD)
         try:
-            # Pushes to several neighbours at once share our uplink: over a 10 Mbit link two
-            # 20 MB updates take 32 s, and a deadline for one of them at the floor rate cut them
-            # at 19 of 20 MB (in the lab, a host joining over its slow link).
             return await rpc(call(frames(), metadata=tuple(metadata),
                                   timeout=timeout or self.deadline(prep.wire_bytes, self._pushing)))
         except grpc.aio.UsageError:       # the channel was closed before the call began
