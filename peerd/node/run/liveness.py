@@ -71,9 +71,10 @@ class PeerLiveness:
     def peer_up(self, node_id: str, restarted: bool = False) -> None:
         """Not yet: the peer's daemon is back, its run may not be. Our newest update goes to it at
         once (after a healed partition each side holds the other dead and sends it nothing),
-        unless it `restarted` (a new incarnation): its run starts anew and reaches us with its join
-        pull or its first update, and a push now would share its link with that pull (on a slow
-        link, a join pull took 3x as long beside two neighbours' pushes)."""
+        unless it `restarted` (a new incarnation): its run starts anew and reaches us when its join
+        pull is done (its RESUMING notice) or with its first update, and a push now would share its
+        link with that pull (on a slow link, a join pull took 3x as long beside two neighbours'
+        pushes)."""
         src = self.ctx.rank_of(node_id)
         if src < 0 or src == self.ctx.rank:
             return
