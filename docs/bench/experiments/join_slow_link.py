@@ -12,7 +12,7 @@ from its restart to its first iteration, the seconds until h1 had done MIXES mor
 iteration from h1's restart to its first iteration (the join held them back) and from then until
 its MIXES more (D-PSGD waits on the slow link each iteration).
 
-    sudo .venv/bin/python docs/bench/experiments/join_slow_link.py [MB] [--daemon-arg=...]
+    sudo .venv/bin/python docs/bench/experiments/join_slow_link.py [MB] [--algo=d-psgd] [--daemon-arg=...]
 
 `--daemon-arg=--train-transfer-slack=0` gives the join pull only its fixed bound
 (`train_join_pull_timeout`, 10 s), as before the bound grew with the model's transfer time.
@@ -51,12 +51,13 @@ def received_bytes(lb: lab.Lab, host: str) -> int:
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith("--daemon-arg=")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     extra = tuple(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--daemon-arg="))
+    algo = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--algo=")), "d-psgd")
     mb = float(args[0]) if args else 20.0
     os.environ["PEERD_BENCH_BYTES"] = str(int(mb * 1e6))      # the daemons' trainers inherit it
     os.environ["PEERD_BENCH_ITERATIONS"] = "100000"
-    train = ["--script", str(SCRIPT), "--world", "3", "--algo", "d-psgd", "--topology", "ring",
+    train = ["--script", str(SCRIPT), "--world", "3", "--algo", algo, "--topology", "ring",
              "--iterations", "100000"]
     with tempfile.TemporaryDirectory(prefix="peerd-join-") as tmp:
         d = Path(tmp) / "lab"
@@ -89,7 +90,7 @@ def main() -> int:
             failed = re.findall(r"join: no parameters from (\S+) within (\d+) s \((\w+)\)", log)
             notes = [r.get("message", "") for r in streams["h1"].records if "parameters" in r.get("message", "")
                      or "checkpoint" in r.get("message", "")]
-            print(json.dumps({"model_mb": mb, "daemon_args": extra, "restart_to_first_iteration_s": round(first, 1),
+            print(json.dumps({"model_mb": mb, "algo": algo, "daemon_args": extra, "restart_to_first_iteration_s": round(first, 1),
                               "h1_received_mb_until_then": round(rx / 1e6, 1),
                               f"restart_to_{MIXES}_more_iterations_s": round(mixed, 1),
                               "longest_stall_of_the_others_s_join_then_after": stalls,
