@@ -26,7 +26,7 @@ Model:
   it before the first publish (the daemon's not-yet-filled ranks). At its time it copies the
   parameters of the lowest-ranked live worker and starts at that worker's iteration; its (fresh)
   policy hears PeerDown for every absent worker; every live worker hears PeerUp(joiner, k) at once
-  (the daemon: when the joiner's first update reaches it, or under a pull policy its first pull).
+  (the daemon: at the joiner's RESUMING notice after its pull, or under a pull policy its pull).
 - Parameters live in one (N, P) array; a message carries a reference to the immutable snapshot it
   sent (or a copy of the working buffer for live sends), freed when the receiver Drops it.
 - Timing-only mode keeps no parameters at all (protocol only), for very large N.

@@ -39,10 +39,10 @@ admitter, and a member that returns keeps the table it has (the same limit as fo
 from two different membership views).
 
 A member that was down during an admission learns the table when it rejoins (it asks a live member
-first). A joiner is PeerUp to a member once its run reaches it (its first update; under a pull
-policy its first pull), like a returning peer; it then pulls the current parameters (peerd.node.run.resume),
-starts at the neighbour's iteration and trains on data shard `rank mod world` (the data is dealt
-over the founding world).
+first). A joiner pulls the current parameters (peerd.node.run.resume), starts at the lowest
+iteration of its live neighbours and trains on data shard `rank mod world` (the data is dealt over
+the founding world). It is PeerUp to a member once its run reaches it, like a returning peer: its
+RESUMING notice after the pull, or its first update (under a pull policy, its first pull).
 """
 from __future__ import annotations
 
