@@ -294,7 +294,8 @@ def top_renderables(reply):
     st = reply.status
     alive = sum(p.state == "alive" for p in st.peers)
     yield Text(f"node {st.node_id}  {st.address}  run {st.run_id}  uptime {st.uptime_s:.0f}s  "
-               f"peers {alive} alive of {len(st.peers)}  loop lag p99 {st.loop_lag_p99_ms:.1f} ms"
+               f"peers {alive} alive of {len(st.peers)}  loop lag p99 {st.loop_lag_p99_ms:.1f} ms "
+               f"(own {st.loop_lag_own_p99_ms:.1f})"
                + (f"  metrics {st.metrics_url}" if st.metrics_url else ""), style="bold")
     training = training_of(reply)
     p = reply.progress if reply.HasField("progress") else None

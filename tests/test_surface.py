@@ -173,6 +173,8 @@ def test_metrics_live_view_and_top_during_a_training_run(daemons):
     assert value(samples, "peerd_run_trainer_restarts_total") == 0
     assert value(samples, "peerd_run_partial_mixes_total") == 0
     assert value(samples, "peerd_event_loop_lag_max_seconds") is not None
+    assert value(samples, "peerd_event_loop_lag_own_p99_seconds") is not None
+    assert value(samples, "peerd_event_loop_cpu_wait_seconds_total") is not None
     assert value(samples, "process_resident_memory_bytes") > 0
     assert len(dashboard_metrics()) >= 15
     missing = sorted(m for m in dashboard_metrics() if not exported(samples, m))

@@ -103,7 +103,8 @@ async def worker(me: int, n: int, topo_name: str, nbytes: int, iterations: int, 
     watching.cancel()
     from peerd.train.benchsize import peak_rss_bytes
     return {"worker": me, "wire_s": wire_s, "total_s": total_s, "peak_rss_bytes": peak_rss_bytes(),
-            "loop_lag_p99_ms": 1000 * watch.quantile(0.99)}
+            "loop_lag_p99_ms": 1000 * watch.quantile(0.99),
+            "loop_lag_own_p99_ms": 1000 * watch.quantile(0.99, own=True)}
 
 
 if __name__ == "__main__":

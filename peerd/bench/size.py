@@ -66,6 +66,7 @@ class Result:
     grpc_total_s: float | None = None
     grpc_rss: list[int] = field(default_factory=list)
     grpc_lag_ms: float | None = None                  # the plain gRPC workers' event loop lag, p99 (worst worker)
+    grpc_own_lag_ms: float | None = None              # the same less their loop thread's wait for a CPU
     error: str = ""
 
     def record(self) -> dict[str, Any]:
@@ -126,6 +127,7 @@ def run_peerd(case: Case, iterations: int, root: Path, echo: Callable[[str], Non
                                    "cpu_s_per_iteration": (cpu_seconds(d.proc.pid) - cpu0[i]) / iterations,
                                    "loop_lag_p99_ms": st.get("loop_lag_p99_ms"),
                                    "loop_lag_max_ms": st.get("loop_lag_max_ms"),
+                                   "loop_lag_own_p99_ms": st.get("loop_lag_own_p99_ms"),
                                    "suspect_events": int(st.get("suspect_events", 0) or 0),
                                    "mixes": run.get("mixes"), "timings": run.get("timings"), "sums": run.get("sums"),
                                    "snapshot_buffers": run.get("snapshot_buffers"),
@@ -189,6 +191,7 @@ def run_grpc(res: Result, iterations: int, chunk_bytes: int) -> None:
         res.grpc_wire_s, res.grpc_total_s = _slowest(outs, "wire_s"), _slowest(outs, "total_s")
         res.grpc_rss = [o["peak_rss_bytes"] for o in outs]
         res.grpc_lag_ms = max(o["loop_lag_p99_ms"] for o in outs)
+        res.grpc_own_lag_ms = max(o["loop_lag_own_p99_ms"] for o in outs)
 
 
 def run(cases: list[Case], iterations: int, echo: Callable[[str], None] = print,
@@ -216,7 +219,8 @@ def _mb(n: float | None) -> str:
 def table(results: list[Result]) -> str:
     head = ("| case | peerd s/iter | publish | wait for mix | copy back | raw TCP (+ sum) | ratio | "
             "plain gRPC (+ sum) | ratio | "
-            "daemon peak RSS MB (x model) | trainer peak RSS MB | loop lag p99 ms (plain gRPC) | suspects | "
+            "daemon peak RSS MB (x model) | trainer peak RSS MB | loop lag p99 ms (plain gRPC) | "
+            "own loop lag p99 ms (plain gRPC) | suspects | "
             "partial mixes |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -224,16 +228,19 @@ def table(results: list[Result]) -> str:
         d = list(r.daemon.values())
         rss = max((x["peak_rss_bytes"] for x in d), default=0)
         lag = max((x["loop_lag_p99_ms"] or 0 for x in d), default=0)
+        own = max((x.get("loop_lag_own_p99_ms") or 0 for x in d), default=0)
         sus = sum(x["suspect_events"] for x in d)
         partial = sum((x.get("mixes") or {}).get("partial", 0) for x in d)
         total = sum((x.get("mixes") or {}).get("total", 0) for x in d)
         f = lambda v: "-" if v is None else f"{v:.3f}"   # noqa: E731
         glag = "-" if r.grpc_lag_ms is None else f"{r.grpc_lag_ms:.0f}"
+        gown = "-" if r.grpc_own_lag_ms is None else f"{r.grpc_own_lag_ms:.0f}"
         rows.append(f"| {c.name} | {f(r.peerd_s)} | {f(r.publish_s)} | {f(r.mix_wait_s)} | {f(r.copy_back_s)} | "
                     f"{f(r.tcp_wire_s)} ({f(r.tcp_total_s)}) | "
                     f"{'-' if not (r.peerd_s and r.tcp_total_s) else f'{r.peerd_s / r.tcp_total_s:.2f}x'} | "
                     f"{f(r.grpc_wire_s)} ({f(r.grpc_total_s)}) | "
                     f"{'-' if not (r.peerd_s and r.grpc_total_s) else f'{r.peerd_s / r.grpc_total_s:.2f}x'} | "
-                    f"{_mb(rss)} ({rss / c.nbytes:.1f}x) | {_mb(max(r.trainer_rss, default=0))} | {lag:.0f} ({glag}) | {sus} | "
+                    f"{_mb(rss)} ({rss / c.nbytes:.1f}x) | {_mb(max(r.trainer_rss, default=0))} | {lag:.0f} ({glag}) | "
+                    f"{own:.0f} ({gown}) | {sus} | "
                     f"{partial} of {total} |" + (f" {r.error}" if r.error else ""))
     return "\n".join(rows)

@@ -446,6 +446,8 @@ class Daemon:
                                rate_limit_entries=gate["rate_limit_entries"], refusal_log_lines=gate["log_lines"],
                                loop_lag_p99_ms=1000 * self.loop_watch.quantile(0.99),
                                loop_lag_max_ms=1000 * self.loop_watch.worst,
+                               loop_lag_own_p99_ms=1000 * self.loop_watch.quantile(0.99, own=True),
+                               loop_cpu_wait_s=self.loop_watch.cpu_wait_s,
                                suspect_events=self.members.suspect_events,
                                metrics_url=self.metrics.url if self.metrics is not None else "",
                                **self.tunnels.status())

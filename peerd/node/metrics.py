@@ -162,6 +162,12 @@ def node_families(d: Daemon, now: float) -> Iterable[Metric]:
                                                       "the last minute", d.loop_watch.quantile(0.99))
     yield _gauge("peerd_event_loop_lag_max_seconds", "how late that timer fired at worst since start",
                  d.loop_watch.worst)
+    yield _gauge("peerd_event_loop_lag_own_p99_seconds", "the p99 lag less the time the loop's thread waited for "
+                                                          "a CPU: the daemon's own share (Linux)",
+                 d.loop_watch.quantile(0.99, own=True))
+    yield _counter("peerd_event_loop_cpu_wait_seconds", "seconds the event loop's thread waited, runnable, for a "
+                                                        "CPU (Linux): high on a host with more busy threads than cores",
+                   d.loop_watch.cpu_wait_s)
     yield _counter("peerd_suspect_events", "times a peer was marked suspect or dead since start",
                    d.members.suspect_events)
     t = d.tunnels.status()
