@@ -9,12 +9,14 @@ import asyncio
 import dataclasses
 import types
 
+import pytest
 import torch
 
 from peerd.config import Config
 from peerd.node.run.mixer import wire_layout
 from peerd.node.run.run import TrainingRun
 from peerd.node.run.spec import RunSpec
+from peerd.sync import events as ev
 from peerd.train.flat import Layout
 from tests.run_env import stand_in_env
 
@@ -97,7 +99,7 @@ def test_a_neighbour_back_gets_our_newest_at_once_unless_it_restarted(tmp_path):
         slot = torch.zeros(run.mixer.layout.total_bytes, dtype=torch.uint8)
         await run.snapshots.take(0, slot, run.mixer.wire)
         sent = []
-        run.liveness.outbound = _types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        run.liveness.outbound = _types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
         host = RunHost(run.ctx.env, offences=None, event=lambda *a, **k: None)
         host.training = run
         host.on_transition(Transition("b", State.ALIVE, State.DEAD))
@@ -122,7 +124,7 @@ def test_a_joiners_pull_readmits_it_only_under_a_pull_policy(tmp_path):
         run = _run(tmp_path / algorithm, algorithm=algorithm)
         await _publish(run, 5)
         sent = []
-        run.liveness.outbound = types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
         run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
         run.liveness.peer_down("b")
         run.liveness.peer_up("b", restarted=True)
@@ -148,7 +150,7 @@ def test_a_joiners_resuming_notice_readmits_it_and_sends_it_our_newest(tmp_path)
         await _publish(run, 7)
         sent = []
         run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
-        run.liveness.outbound = types.SimpleNamespace(send=sent.append, reset=lambda src: None)
+        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
         run.liveness.peer_down("b")
         run.liveness.peer_up("b", restarted=True)
         run.on_notice("c", pb.TrainerNotice.STATE_RESUMING, 3)
@@ -159,6 +161,28 @@ def test_a_joiners_resuming_notice_readmits_it_and_sends_it_our_newest(tmp_path)
     run, sent = asyncio.run(go())
     assert "b" not in run.liveness.returning and 1 not in run.policy.dead
     assert [(a.dst, a.k) for a in sent] == [(1, 7)], sent
+
+
+@pytest.mark.parametrize("algorithm", ["d-psgd", "hop"])
+def test_a_peer_back_from_a_partition_gets_our_newest_update_once(tmp_path, algorithm):
+    """After a healed partition our newest goes to the returning peer at once (it holds us dead
+    too and sends us nothing); when its first update re-admits it, the policy's own Send of that
+    same iteration is not pushed again: a whole model, twice, over the link that just healed."""
+    async def go():
+        run = _run(tmp_path, algorithm=algorithm)
+        await _publish(run, 7)
+        queued = []
+        run.outbound._queue = lambda dst: types.SimpleNamespace(put_nowait=lambda u: queued.append((dst, u.k)))
+        run.liveness.peer_down("b")
+        run.liveness.peer_up("b")
+        assert queued == [(1, 7)]
+        run.liveness.back_in_run("b", 7)          # its first update since the heal reached us
+        assert 1 not in run.policy.dead
+        await _publish(run, 8)
+        run.outbound.send(ev.Send(1, 8))          # the next publish goes as usual
+        return queued
+
+    assert asyncio.run(go()) == [(1, 7), (1, 8)]
 
 
 def test_a_pull_for_a_later_iteration_than_ours_is_answered_with_nothing(tmp_path):

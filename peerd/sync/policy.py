@@ -90,12 +90,15 @@ class Policy:
         """Send(j, k) to each of `peers` that has not had our k since it was last down: a peer
         re-admitted right after our publish (a restarted trainer resyncs its neighbours at its first
         publish) would otherwise get the same update, a whole model, twice."""
-        out = []
-        for j in peers:
-            if self.sent.get(j) != k:
-                self.sent[j] = k
-                out.append(Send(j, k))
-        return out
+        return [Send(j, k) for j in peers if self.note_sent(j, k)]
+
+    def note_sent(self, peer: int, k: int) -> bool:
+        """Our k goes to `peer` (by our Send or the node's own push to a returning peer); False
+        when it already went since the peer was last down."""
+        if self.sent.get(peer) == k:
+            return False
+        self.sent[peer] = k
+        return True
 
     # Defaults: ignore what the algorithm does not use.
     def on_published(self, ev: Published, now: float) -> list[Action]:

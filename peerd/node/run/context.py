@@ -16,7 +16,7 @@ class RunContext:
     spec: RunSpec
     nodes: list[str]          # by rank; "" for a vacant rank (peerd.node.run.joining); joiners fill them
     tag: str                  # every host of the run derives it; transfers carry it
-    policy: Policy            # this worker's; fed only through the run's PolicyDriver
+    policy: Policy            # this worker's; fed events only through the run's PolicyDriver
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:

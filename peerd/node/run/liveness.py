@@ -80,7 +80,7 @@ class PeerLiveness:
             return
         self.returning.add(node_id)
         if self.snapshots.live_k >= 0 and not restarted:
-            self.outbound.send(ev.Send(src, ev.CURRENT))   # our newest, as soon as it is held
+            self.outbound.send(ev.Send(src, ev.CURRENT), once=True)   # our newest, as soon as it is held
 
     def back_in_run(self, node_id: str, k: int) -> None:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""

@@ -65,7 +65,10 @@ class Outbound:
         self.deferred: list[ev.Send] = []            # sends asked for before we had parameters
         self.notices_pending = 0                     # our notices queued or in flight (a drain waits for them)
 
-    def send(self, a: ev.Send) -> None:
+    def send(self, a: ev.Send, once: bool = False) -> None:
+        """Queue update a.k to a.dst. `once`: a push outside the policy (our newest to a returning
+        peer), skipped if the peer already had that iteration and counted as sent, so that the
+        policy's own Send of it on the peer's re-admission does not push the same model again."""
         snaps = self.snapshots
         if snaps.buffer(a.k, a.live) is None:
             # Asked before our trainer published anything (a peer started first), or for our
@@ -77,6 +80,8 @@ class Outbound:
                 self.deferred.append(ev.Send(a.dst, ev.CURRENT))
             return
         k = snaps.resolve(a.k, a.live)
+        if once and not self.ctx.policy.note_sent(a.dst, k):
+            return
         snaps.hold(k, snaps.sending)
         update = Update(self.ctx.kind("model"), k, snaps.outgoing[k])
         if not self.coalesce:
