@@ -275,7 +275,7 @@ class TrainConfig:
                                                 "and the update's transfer allowance (train_transfer_slack) "
                                                 "(then mixes without it until its next update); one whose "
                                                 "update is streaming in is waited for up to 3/4 of "
-                                                "train_mix_timeout; a crashed or "
+                                                "the trainer's mix bound (train_mix_timeout); a crashed or "
                                                 "finished trainer is announced at once and not waited for at all")
     estimates_interval: float = _f(10.0, "seconds between the link estimates a run feeds to a policy that "
                                                "uses them (NetMax's peer probabilities: a re-solve costs tenths of "
@@ -289,7 +289,9 @@ class TrainConfig:
                                            "iterations over its hosts (one small RPC to each member)")
     transfer_slack: float = _f(2.0, "the pull and silent-neighbour bounds grow by this many times the model's "
                                           "expected transfer from that peer (bytes over the measured bandwidth, "
-                                          "or over dataplane_min_rate where unmeasured), up to half of "
+                                          "or over dataplane_min_rate where unmeasured or slower), and so does "
+                                          "train_mix_timeout by the longest of them; a pull's bound is capped at "
+                                          "half of the mix bound, a silent neighbour's at half of "
                                           "train_mix_timeout; 0: fixed bounds")
     pull_backoff: float = _f(10.0, "most seconds a peer whose pulls keep failing rests before it is pulled again "
                                          "(the other peers are, or the host steps locally); not for good: a hiccup "
@@ -298,7 +300,9 @@ class TrainConfig:
                                                "in a row up to train_pull_backoff, reset by an answered pull (a peer "
                                                "whose trainer is still starting answers moments later)")
     mix_timeout: float = _f(60.0, "seconds a trainer waits for the mixed parameters of one "
-                                        "iteration, plus two of its own iterations, before giving up with an error")
+                                        "iteration, plus two of its own iterations and the longest transfer "
+                                        "allowance of a neighbour's update (train_transfer_slack), before "
+                                        "giving up with an error")
     join_pull_timeout: float = _f(10.0, "seconds a host joining a running swarm waits for one neighbour's "
                                         "parameters before trying the next, plus the model's transfer allowance "
                                         "(train_transfer_slack), within train_attach_timeout")

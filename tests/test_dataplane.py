@@ -447,9 +447,13 @@ def test_transfer_the_daemon_does_not_take_is_refused_and_freed():
 
 
 def test_sender_that_vanishes_mid_stream_frees_everything():
+    """... and the receiver is told the update is lost (its sender does not push it again: a mix
+    waiting on it goes on without it)."""
     async def main():
         async with nodes("a", "b", config=SMALL) as (a, b):
-            frames, _ = good_frames(n=100_000)
+            frames, _ = good_frames(n=100_000, iteration=7)
+            lost = []
+            b.dp.on_update_lost = lambda *args: lost.append(args)
             gate = asyncio.Event()
 
             async def gen():
@@ -471,6 +475,7 @@ def test_sender_that_vanishes_mid_stream_frees_everything():
             # gRPC ends the handler by cancelling it or by ending its request stream (truncated)
             assert b.dp.budget.used_total == 0 and b.inbox.empty(), dict(b.dp.rejected)
             assert b.dp.rejected["cancelled"] + b.dp.rejected["truncated"] == 1, dict(b.dp.rejected)
+            assert lost == [("a", "model", 7)]
     run(main())
 
 
@@ -641,9 +646,11 @@ def test_pushes_in_flight_together_share_the_floor_rate_in_their_deadlines():
         data = [torch.zeros(250_000)]              # 1 MB
         await asyncio.gather(*(dp.push(Channel(), peer, data, iteration=0) for peer in ("a", "b")))
         await dp.push(Channel(), "a", data, iteration=1)
+        await dp.push(Channel(), "a", data, iteration=2, allowance=7.5)
         assert dp._pushing == 0
 
     asyncio.run(go())
     one = 20.0 + 1_000_000 / 1_000_000
     assert asked[:2] == [pytest.approx(20.0 + 2.0)] * 2, asked     # started together: each counts the other
     assert asked[2] == pytest.approx(one), asked                   # alone again
+    assert asked[3] == pytest.approx(one + 7.5), asked             # a run's allowance for a slow link to "a"

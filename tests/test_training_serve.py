@@ -235,7 +235,7 @@ def test_a_carried_pull_keeps_its_snapshot_until_its_push_is_done(tmp_path):
         release, started, streamed = asyncio.Event(), asyncio.Event(), asyncio.Event()
         seen = {}
 
-        async def push_tensor(address, node, out, iteration, kind, compression=None):
+        async def push_tensor(address, node, out, iteration, kind, compression=None, allowance=0.0):
             seen["buf"] = run.snapshots.own[iteration]
             seen["before"] = bytes(run.snapshots.own[iteration])
             started.set()
@@ -271,7 +271,9 @@ def test_coalescing_replaces_an_unsent_update_with_the_newest_and_loses_no_count
     async def go(coalesce: bool) -> list[int]:
         gate, pushed = asyncio.Event(), []
 
-        async def push_tensor(address, node, outgoing, iteration, kind, compression=None):
+        async def push_tensor(address, node, outgoing, iteration, kind, compression=None, allowance=0.0):
+            # nobody measured the link to b: the allowance of its update at the floor rate
+            assert allowance == pytest.approx(2.0 * outgoing.layout.nbytes / 1e6)
             pushed.append((node, iteration))
             await gate.wait()                   # a slow link: the push lasts until the gate opens
         run = _run(tmp_path, Config().replace(run_id="t", train_coalesce_updates=coalesce), "hop-backup-skip",

@@ -431,6 +431,9 @@ class DataPlane:
         # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
         self.screen: Callable[[str, str], str | None] | None = None
         self.on_offence: Callable[[str, str], None] | None = None
+        # on_update_lost(peer, kind, iteration): a pushed update failed mid-stream (cut, stalled,
+        # refused); its sender does not push it again
+        self.on_update_lost: Callable[[str, str, int], None] | None = None
         # sink_for(header, peer): a Sink for the chunks instead of a buffer, or None; may be async
         self.sink_for: Callable[[pb.TensorHeader, str], "Sink | None | Awaitable[Sink | None]"] | None = None
         # activity.fn(peer): bytes from `peer` are arriving (at most every ACTIVITY_EVERY s per peer):
@@ -587,14 +590,19 @@ class DataPlane:
                 return await asm.finish()
         except TimeoutError:
             if asm is not None:
-                asm.abort()
+                self._abort(asm, push)
             got = asm.received if asm else 0
             raise TransferError("stalled", f"no data for {stall}s ({got} bytes received)",
                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except BaseException:
             if asm is not None:
-                asm.abort()
+                self._abort(asm, push)
             raise
+
+    def _abort(self, asm: "_Assembly", push: bool) -> None:
+        asm.abort()
+        if push and asm.update and self.on_update_lost is not None:
+            self.on_update_lost(asm.peer, asm.h.kind, asm.h.iteration)
 
     async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str, push: bool) -> "_Assembly":
         dp = self.cfg.dataplane
@@ -691,11 +699,13 @@ class DataPlane:
     async def push(self, channel: grpc.aio.Channel, peer: str, data: Outgoing | Sequence[torch.Tensor], *,
                    metadata: Sequence[tuple[str, str]] = (), iteration: int, kind: str = "model",
                    compression: int | str | None = None, checksum: int | None = None,
-                   timeout: float | None = None) -> PushResult:
+                   timeout: float | None = None, allowance: float = 0.0) -> PushResult:
         """Send one buffer to `peer` over `channel`. Raises TransferError on any failure.
 
         `checksum`: crc32 of the uncompressed bytes if the caller already knows it (a buffer
-        pushed to several peers needs it once). `compression`: default from the config."""
+        pushed to several peers needs it once). `compression`: default from the config.
+        `timeout`: the push's deadline, by default `deadline()` plus `allowance` seconds (a run
+        that measured a slow link to `peer`: streams of other senders share its downlink)."""
         if not isinstance(data, Outgoing):
             data = Outgoing.of(data)
         comp = _compression(self.cfg.dataplane.compression if compression is None else compression)
@@ -710,7 +720,7 @@ class DataPlane:
                     else:
                         prep = await _Prepared.plain(self, data, comp, checksum, measure=True)
                     try:
-                        raw = await self._send(channel, peer, prep, iteration, kind, metadata, timeout)
+                        raw = await self._send(channel, peer, prep, iteration, kind, metadata, timeout, allowance)
                     except TransferError as e:
                         if copy_mode:
                             self.senders.failed(kind, peer)
@@ -732,7 +742,8 @@ class DataPlane:
                           time.perf_counter() - t0, reply.seconds, prep.cast_error)
 
     async def _send(self, channel: grpc.aio.Channel, peer: str, prep: "_Prepared", iteration: int,
-                    kind: str, metadata: Sequence[tuple[str, str]], timeout: float | None) -> bytes:
+                    kind: str, metadata: Sequence[tuple[str, str]], timeout: float | None,
+                    allowance: float = 0.0) -> bytes:
         header = prep.header(iteration, kind)
 
         async def frames() -> Any:
@@ -743,7 +754,7 @@ class DataPlane:
         call = channel.stream_unary(PUSH_METHOD)
         try:
             return await rpc(call(frames(), metadata=tuple(metadata),
-                                  timeout=timeout or self.deadline(prep.wire_bytes, self._pushing)))
+                                  timeout=timeout or self.deadline(prep.wire_bytes, self._pushing) + allowance))
         except grpc.aio.UsageError:       # the channel was closed before the call began
             self.counters["pushes_failed"] += 1
             raise _channel_closed(f"push to {peer}") from None

@@ -153,6 +153,7 @@ class Daemon:
         self.members.on_dial_failed = tunnels.relays.on_dial_failed
         self.dataplane.activity.fn = self.members.activity
         self.dataplane.update_activity.fn = runs.update_arriving
+        self.dataplane.on_update_lost = runs.update_lost
         self.dataplane.sink_for = runs.sink_for
         handlers = {**PeerService(cfg, self.members, runs, tunnels.hub).method_handlers(),
                     **self.dataplane.method_handlers()}

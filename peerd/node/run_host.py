@@ -160,6 +160,10 @@ class RunHost:
         if self.training is not None:
             self.training.liveness.update_arriving(sender)
 
+    def update_lost(self, sender: str, kind: str, k: int) -> None:
+        if self.training is not None:
+            self.training.liveness.update_lost(sender, kind, k)
+
     def on_tokens(self, sender: str, n: int) -> None:
         if self.training is not None:
             self.training.on_tokens(sender, n)

@@ -39,6 +39,11 @@ class NoDaemon(RuntimeError):
     """No daemon to attach to (the script was not started by `peerd train`)."""
 
 
+# Seconds our deadline on a Mix gives the daemon beyond its own bound, in which it answers (or
+# says why it cannot) before we give up on it.
+MIX_MARGIN = 60.0
+
+
 def _map(path: str, nbytes: int) -> torch.Tensor:
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=max(nbytes, 1))
     return torch.tensor([], dtype=torch.uint8).set_(storage)[:nbytes]
@@ -52,6 +57,7 @@ class DaemonExchange:
         self._stub = control_pb2_grpc.ControlStub(self._channel)
         self.session = session
         self.timeout = timeout
+        self._mix_timeout = timeout       # grows with the daemon's bound on a Mix (AttachReply)
         self._published_at = 0.0
         self._iteration_s = 0.0           # seconds between our last two publishes
         self.rank = 0
@@ -88,6 +94,8 @@ class DaemonExchange:
                     raise
                 time.sleep(1.0)
         self.session, self.rank, self.world, self.node_id = reply.session_id, reply.rank, reply.world, reply.node_id
+        # A big model over a slow link: the daemon's Mix may take minutes; ours must outlast it.
+        self._mix_timeout = max(self.timeout, reply.mix_timeout_s + MIX_MARGIN)
         self._slots = [_map(p, layout.total_bytes) for p in reply.slot_paths]
         self._layout = layout
         self._stream = self._stub.Directives(cpb.DirectivesRequest(session_id=self.session))
@@ -164,7 +172,7 @@ class DaemonExchange:
         # A neighbour may be a whole iteration behind (a DiLoCo round lasts minutes): the bound
         # grows with the time between our own publishes, as the daemon's waits do.
         reply = self._stub.Mix(cpb.MixRequest(session_id=self.session, iteration=iteration, slot=slot,
-                                              metric=metric), timeout=self.timeout + 3 * self._iteration_s)
+                                              metric=metric), timeout=self._mix_timeout + 3 * self._iteration_s)
         used = len(reply.entries)
         return MixResult(iteration, self._slots[slot] if used else None,
                          skip_to=reply.skip_to or None, used=used)

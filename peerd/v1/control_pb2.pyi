@@ -305,7 +305,7 @@ class AttachRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[LayoutEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., optimizer: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("node_id", "session_id", "slot_paths", "start_iteration", "rank", "world", "start_from_slot", "join_note")
+    __slots__ = ("node_id", "session_id", "slot_paths", "start_iteration", "rank", "world", "start_from_slot", "join_note", "mix_timeout_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class AttachReply(_message.Message):
     WORLD_FIELD_NUMBER: _ClassVar[int]
     START_FROM_SLOT_FIELD_NUMBER: _ClassVar[int]
     JOIN_NOTE_FIELD_NUMBER: _ClassVar[int]
+    MIX_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     slot_paths: _containers.RepeatedScalarFieldContainer[str]
@@ -322,7 +323,8 @@ class AttachReply(_message.Message):
     world: int
     start_from_slot: bool
     join_note: str
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_from_slot: _Optional[bool] = ..., join_note: _Optional[str] = ...) -> None: ...
+    mix_timeout_s: float
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ..., start_iteration: _Optional[int] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_from_slot: _Optional[bool] = ..., join_note: _Optional[str] = ..., mix_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("session_id", "iteration", "slot", "seq", "mass", "ranges")

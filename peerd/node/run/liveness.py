@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from peerd.net.dataplane import Received
-from peerd.node.run.bounds import transfer_bound
+from peerd.node.run.bounds import mix_bound, transfer_bound
 from peerd.node.run.context import RunContext
 from peerd.node.run.outbound import Outbound
 from peerd.node.run.snapshots import Snapshots
@@ -32,8 +32,12 @@ from peerd.v1 import peer_pb2 as pb
 log = logging.getLogger("peerd.train")
 
 # A neighbour from whom bytes of an update arrived this recently is sending, however long its
-# update takes (4 x the data plane's ACTIVITY_EVERY: a stalled stream stops counting within it).
+# update takes (4 x the data plane's ACTIVITY_EVERY: a stalled stream stops counting within it),
+# or within the time ARRIVING_CHUNKS chunks take at dataplane_min_rate where that is longer: bytes
+# show up a whole chunk (1 MiB) at a time, and on a 10 Mbit link two or three streams share, one
+# gets a chunk through every 2-4 s (in the lab, updates streaming in were marked silent).
 ARRIVING_WINDOW = 2.0
+ARRIVING_CHUNKS = 4
 
 
 class PeerLiveness:
@@ -45,7 +49,7 @@ class PeerLiveness:
         self.snapshots = snapshots
         self.is_waiting = is_waiting          # the trainer still waits for mix k
         self.model_bytes = model_bytes
-        self.absent: dict[int, str] = {}      # neighbours not contributing: "restarting", "finished", "silent"
+        self.absent: dict[int, str] = {}      # not contributing: "restarting", "finished", "silent", "lost"
         self.absent_at: dict[int, int] = {}   # a "restarting" notice's iteration: older updates were sent before it
         self.returning: set[str] = set()      # peers back in membership, not yet back in this run
         self.readmitted: dict[int, int] = {}  # re-admitted at this iteration, until its next update
@@ -56,6 +60,7 @@ class PeerLiveness:
         self._last_publish = 0.0
         self._bytes_at: dict[int, float] = {}  # when bytes of an update from each neighbour last arrived
         self._iteration_s = 0.0               # seconds between our last two publishes
+        self._lost: dict[int, int] = {}       # neighbour -> iteration of its update that failed before our mix asked
 
     # --- membership -------------------------------------------------------------------------------
     def peer_down(self, node_id: str) -> None:
@@ -115,10 +120,10 @@ class PeerLiveness:
             self.feed(ev.PeerDown(src))
 
     def heard_from(self, src: int, k: int) -> None:
-        """An update of iteration k came from `src`: an absent (restarting or silent) neighbour
-        contributes again."""
+        """An update of iteration k came from `src`: an absent (restarting, silent or lost)
+        neighbour contributes again."""
         why = self.absent.get(src)
-        if why not in ("restarting", "silent"):
+        if why not in ("restarting", "silent", "lost"):
             return
         if why == "restarting" and k <= self.absent_at.get(src, -1):
             return   # sent before its notice, overtaken by it on another stream: not back yet
@@ -147,8 +152,28 @@ class PeerLiveness:
         elif state == pb.TrainerNotice.STATE_FINISHED:
             self.set_absent(src, "finished")
 
+    def update_lost(self, node: str, kind: str, k: int) -> None:
+        """Neighbour `node`'s update of iteration k failed mid-stream (cut by its deadline over a
+        slow link, stalled): its sender does not push it again. A mix waiting on it would wait out
+        the silent bound for nothing (two of our iterations: minutes when they are long); it is
+        mixed without that neighbour now, which is back with its next update."""
+        src = self.ctx.rank_of(node)
+        if kind != self.ctx.kind("model") or src < 0 or src == self.ctx.rank:
+            return
+        if self.is_waiting(k):
+            self._mix_without_lost(k, {src: k})
+        elif k > self.ctx.policy.k:
+            self._lost[src] = k                # for the mix of k, once the trainer asks for it
+
+    def _mix_without_lost(self, k: int, lost: dict[int, int]) -> None:
+        for src, lost_k in lost.items():
+            if lost_k == k and src in self.ctx.policy.waiting.on and src not in self.absent:
+                log.warning("the update of iteration %d from %s failed mid-stream: mixed without it", k,
+                            self.ctx.nodes[src])
+                self.set_absent(src, "lost")
+
     def why_missing(self, src: int) -> str:
-        """Why neighbour `src` is not in a mix: its absence ("restarting", "finished", "silent"),
+        """Why neighbour `src` is not in a mix: its absence ("restarting", "finished", "silent", "lost"),
         "dead" (membership), "flagged" (bad updates), else "not waited" (the policy's choice)."""
         node = self.ctx.nodes[src]
         if src in self.absent:
@@ -179,8 +204,18 @@ class PeerLiveness:
     def still_arriving(self, src: int, waited: float, now: float) -> bool:
         """An update from `src` streams in right now: it is slow, not silent. Waited on for at
         most three quarters of the trainer's own mix bound (the trainer must not time out first)."""
-        recent = now - self._bytes_at.get(src, -1e18) <= ARRIVING_WINDOW
-        return recent and waited < 0.75 * (self.ctx.cfg.train.mix_timeout + self.iteration_allowance())
+        recent = now - self._bytes_at.get(src, -1e18) <= self.arriving_window()
+        return recent and waited < 0.75 * self.mix_bound()
+
+    def arriving_window(self) -> float:
+        dp = self.ctx.cfg.dataplane
+        return max(ARRIVING_WINDOW, ARRIVING_CHUNKS * dp.chunk_bytes / dp.min_rate)
+
+    def mix_bound(self) -> float:
+        """Longest a trainer's Mix waits: train_mix_timeout, the longest transfer of a neighbour's
+        update (peerd.node.run.bounds) and two of our own iterations."""
+        others = [self.ctx.nodes[i] for i in self.ctx.others()]
+        return mix_bound(self.ctx.env, self.model_bytes(), others) + self.iteration_allowance()
 
     def published(self) -> None:
         """Our trainer published: the time between publishes is this run's iteration (a DiLoCo
@@ -206,6 +241,8 @@ class PeerLiveness:
             self._silent_since = time.monotonic()
             self._waited_since = {}
             after = self.silent_bound()
+            lost, self._lost = self._lost, {s: lk for s, lk in self._lost.items() if lk > k}
+            self._mix_without_lost(k, lost)
         self._silent_timer = asyncio.get_running_loop().call_later(after, self._silent_check, k)
 
     def disarm_silent(self) -> None:
@@ -232,12 +269,15 @@ class PeerLiveness:
         for src in list(policy.waiting.on):
             # Waited on since this wait began, or since the last check for one the policy took up later.
             waited = now - self._waited_since.setdefault(src, self._silent_since)
-            remaining = transfer_bound(self.ctx.env, base, self.model_bytes(), self.ctx.nodes[src]) - waited
+            # Nothing arrives from it: its allowance, but not the Mix's whole bound (a hung trainer
+            # holds us no longer than half of train_mix_timeout).
+            remaining = transfer_bound(self.ctx.env, base, self.model_bytes(), self.ctx.nodes[src],
+                                       cap=self.ctx.cfg.train.mix_timeout / 2) - waited
             if remaining > 1e-3:
                 left.append(remaining)       # its update may still be on the way over a slow link
                 continue
             if self.still_arriving(src, waited, now):
-                left.append(ARRIVING_WINDOW)  # its bytes are coming in: check again shortly
+                left.append(self.arriving_window())  # its bytes are coming in: check again then
                 continue
             log.warning("no update from %s for %.1fs at iteration %d: not waited for until it sends one",
                         self.ctx.nodes[src], waited, k)

@@ -18,7 +18,7 @@ from typing import Callable
 import grpc
 
 from peerd.net.dataplane import Outgoing, Received, Snapshot, TransferError
-from peerd.node.run.bounds import transfer_allowance, transfer_bound
+from peerd.node.run.bounds import mix_bound, transfer_allowance, transfer_bound
 from peerd.node.run.context import RunContext
 from peerd.node.run.snapshots import Snapshots
 from peerd.sync import events as ev
@@ -63,7 +63,9 @@ class Pulls:
         key = (dst, k)
         t0 = time.monotonic()
         base = self.ctx.cfg.train.pull_timeout
-        bound = transfer_bound(env, base, self.model_bytes(), node)
+        # Half of the Mix's bound: a failed pull and the next one fit in it.
+        cap = mix_bound(env, self.model_bytes(), [self.ctx.nodes[i] for i in self.ctx.others()]) / 2
+        bound = transfer_bound(env, base, self.model_bytes(), node, cap)
         snaps = self.snapshots
         try:
             if member is None:
@@ -93,8 +95,8 @@ class Pulls:
         except TimeoutError:
             capped = bound < base + transfer_allowance(env, self.model_bytes(), node)
             log.info("pull from %s unanswered after %.1fs%s", node, bound,
-                     " (the bound's cap, half of train_mix_timeout: raise that for a model this big on "
-                     "this link)" if capped else "")
+                     " (the bound's cap, half of the trainer's mix bound: raise train_mix_timeout for a "
+                     "model this big on this link)" if capped else "")
         finally:
             self.answers.pop(key, None)
         self.feed(ev.PullFailed(dst, k))

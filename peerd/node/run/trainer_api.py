@@ -18,6 +18,7 @@ from peerd.net.copies import check_ranges
 from peerd.net.dataplane import MAX_MASS
 from peerd.net.tensorwire import WireError
 from peerd.node.identity import slot_dir
+from peerd.node.run.bounds import largest_mix_bound
 from peerd.node.run.context import RunContext
 from peerd.node.run.liveness import PeerLiveness
 from peerd.node.run.mixer import Mixer
@@ -83,7 +84,8 @@ class TrainerApi:
         rank, world = self.ctx.data_shard()
         return cpb.AttachReply(node_id=self.ctx.env.node_id, session_id=self.ctx.session,
                                slot_paths=[str(p) for p in mixer.slot_paths], start_iteration=start,
-                               rank=rank, world=world)
+                               rank=rank, world=world,
+                               mix_timeout_s=largest_mix_bound(self.ctx.env, layout.total_bytes))
 
     # --- publish ------------------------------------------------------------------------------
     def publish(self, req: cpb.PublishRequest) -> None:
@@ -151,7 +153,7 @@ class TrainerApi:
             self.feed(ev.MixRequested(k))
         if not fut.done():
             self.liveness.arm_silent(k)
-        timeout = self.ctx.cfg.train.mix_timeout + self.liveness.iteration_allowance()
+        timeout = self.liveness.mix_bound()
         try:
             reply = await asyncio.wait_for(fut, timeout)
             # the trainer may write its published slot once answered
