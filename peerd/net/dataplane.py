@@ -431,8 +431,7 @@ class DataPlane:
         # or None; on_offence(peer, what) hears each transfer refused as the peer's fault
         self.screen: Callable[[str, str], str | None] | None = None
         self.on_offence: Callable[[str, str], None] | None = None
-        # on_update_lost(peer, kind, iteration): a pushed update failed mid-stream (cut, stalled,
-        # refused); its sender does not push it again
+        # on_update_lost(peer, kind, iteration): a pushed update failed mid-stream; not sent again
         self.on_update_lost: Callable[[str, str, int], None] | None = None
         # sink_for(header, peer): a Sink for the chunks instead of a buffer, or None; may be async
         self.sink_for: Callable[[pb.TensorHeader, str], "Sink | None | Awaitable[Sink | None]"] | None = None
@@ -590,19 +589,14 @@ class DataPlane:
                 return await asm.finish()
         except TimeoutError:
             if asm is not None:
-                self._abort(asm, push)
+                asm.abort(push)
             got = asm.received if asm else 0
             raise TransferError("stalled", f"no data for {stall}s ({got} bytes received)",
                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except BaseException:
             if asm is not None:
-                self._abort(asm, push)
+                asm.abort(push)
             raise
-
-    def _abort(self, asm: "_Assembly", push: bool) -> None:
-        asm.abort()
-        if push and asm.update and self.on_update_lost is not None:
-            self.on_update_lost(asm.peer, asm.h.kind, asm.h.iteration)
 
     async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str, push: bool) -> "_Assembly":
         dp = self.cfg.dataplane
@@ -702,10 +696,8 @@ class DataPlane:
                    timeout: float | None = None, allowance: float = 0.0) -> PushResult:
         """Send one buffer to `peer` over `channel`. Raises TransferError on any failure.
 
-        `checksum`: crc32 of the uncompressed bytes if the caller already knows it (a buffer
-        pushed to several peers needs it once). `compression`: default from the config.
-        `timeout`: the push's deadline, by default `deadline()` plus `allowance` seconds (a run
-        that measured a slow link to `peer`: streams of other senders share its downlink)."""
+        `checksum`: crc32 of the uncompressed bytes if the caller knows it. `compression`: default
+        from the config. `timeout`: `deadline()` plus `allowance` (a run's, for a slow link)."""
         if not isinstance(data, Outgoing):
             data = Outgoing.of(data)
         comp = _compression(self.cfg.dataplane.compression if compression is None else compression)
@@ -1004,10 +996,13 @@ class _Assembly:
                         self.layout.nbytes, self.wire_bytes, seconds, h.compression,
                         tw.ROUNDING_BOUND[h.compression], release, self.stats, mass=h.mass or 1.0)
 
-    def abort(self) -> None:
+    def abort(self, pushed: bool = False) -> None:
+        """The transfer failed; `pushed`: a push, which its sender does not send again."""
         if self.done:
             return
         self.done = True
+        if pushed and self.update and self.dp.on_update_lost is not None:
+            self.dp.on_update_lost(self.peer, self.h.kind, self.h.iteration)
         if self.sink is not None:
             self.sink.abort("the transfer failed")
             return
