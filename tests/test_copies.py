@@ -129,10 +129,13 @@ def test_increments_keep_both_copies_equal_and_close(comp):
 
 def test_a_receiver_without_the_base_gets_a_keyframe():
     """b forgets a's copy (a restart): the next increment is refused at its header and a resends
-    its whole copy raw; b then holds exactly a's copy again."""
+    its whole copy raw; b then holds exactly a's copy again. The refused increment is not a lost
+    update (a run would mix without a): its keyframe follows."""
     async def main():
         async with nodes("a", "b", config=SMALL) as (a, b):
             layout = _setup(a.dp, b.dp)
+            lost = []
+            b.dp.on_update_lost = lambda *args: lost.append(args)
             x, ints = torch.randn(20_000), torch.zeros(3, dtype=torch.int64)
             await a.push(b, _outgoing(layout, x, ints), iteration=1, kind=KIND, compression="int8")
             (await take(b)).release()
@@ -143,7 +146,7 @@ def test_a_receiver_without_the_base_gets_a_keyframe():
                 assert torch.equal(b.dp.copies.get("a", KIND).buf, a.dp.senders.by_kind[KIND].copy)
                 assert float((rec.tensors()[0] - (x + 1)).abs().max()) < 0.1
             assert a.dp.counters["copy_refused"] == 1 and a.dp.senders.counts()["copy_keyframes"] == 1
-            assert b.dp.rejected["copy_base"] == 1
+            assert b.dp.rejected["copy_base"] == 1 and lost == []
     run(main())
 
 

@@ -593,9 +593,9 @@ class DataPlane:
             got = asm.received if asm else 0
             raise TransferError("stalled", f"no data for {stall}s ({got} bytes received)",
                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except BaseException:
-            if asm is not None:
-                asm.abort(push)
+        except BaseException as e:
+            if asm is not None:   # a refused copy base is sent again, as a keyframe: not lost
+                asm.abort(push and getattr(e, "reason", "") != "copy_base")
             raise
 
     async def _admit(self, h: pb.TensorHeader, peer: str, expect_sender: str, push: bool) -> "_Assembly":
