@@ -345,6 +345,30 @@ def test_a_neighbours_update_that_failed_mid_stream_is_not_waited_for(tmp_path):
     assert last == {2: "lost"}
 
 
+def test_an_update_lost_by_a_host_that_then_went_down_does_not_count_once_it_is_back(tmp_path):
+    """A host killed mid-push loses that update; restarted, it joins and sends that iteration
+    anew: the loss, remembered for our mix of it, must not leave the host out of that mix."""
+    cfg = Config().replace(run_id="t", train_silent_peer_timeout=30.0)
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), ["a1", "a2", "b3"])
+        run.mixer.layout = Layout.build([("w", "float32", (1000,))])
+        live = run.liveness
+        run.policy.k = 0
+        live.update_lost("a2", run.ctx.kind("model"), 1)   # the kill cut its push of 1
+        live.peer_down("a2")
+        live.peer_up("a2", restarted=True)
+        live.back_in_run("a2", 1)                          # rejoined at iteration 1
+        run.api.waiters[1] = asyncio.get_running_loop().create_future()
+        run.policy.waiting = WaitInfo("updates", 0.0, [1, 2])
+        live.arm_silent(1)
+        live.disarm_silent()
+        cancel_tasks(run)
+        return dict(live.absent)
+
+    assert asyncio.run(go()) == {}
+
+
 def test_a_pause_notice_covers_the_one_update_the_trainer_may_still_publish(tmp_path):
     """PAUSE reaches the trainer at its next iteration boundary: it may publish iteration k + 1
     after the daemon sent its ABSENT notice at k (CI saw exactly this: the neighbour re-admitted

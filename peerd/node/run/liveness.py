@@ -69,6 +69,7 @@ class PeerLiveness:
             return
         if self.absent.get(src) != "finished":
             self.absent.pop(src, None)   # the failure detector's word supersedes a notice
+        self._lost.pop(src, None)        # back, it sends its updates anew (a restarted one from where it joins)
         self.outbound.reset(src)
         self.readmitted.pop(src, None)
         self.feed(ev.PeerDown(src))
@@ -91,6 +92,7 @@ class PeerLiveness:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
         if node_id in self.returning:
             self.returning.discard(node_id)
+            self._lost.pop(self.ctx.rank_of(node_id), None)
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.ctx.rank_of(node_id), max(k, 0)))
 
