@@ -69,7 +69,7 @@ class PeerLiveness:
             return
         if self.absent.get(src) != "finished":
             self.absent.pop(src, None)   # the failure detector's word supersedes a notice
-        self._lost.pop(src, None)        # back, it sends its updates anew (a restarted one from where it joins)
+        self._lost.pop(src, None)        # its losses are moot: back, it sends from where it rejoins
         self.outbound.reset(src)
         self.readmitted.pop(src, None)
         self.feed(ev.PeerDown(src))
