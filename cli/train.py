@@ -72,8 +72,8 @@ from cli.live import bits_per_byte, make_view, plain_line
                    "weighed by its steps in every mix)")
 @click.option("--fragments", type=int, help="diloco: sync the model in this many fragments in turn (streaming)")
 @click.option("--overlap", type=int, help="diloco: inner steps a sync's exchange overlaps")
-@click.option("--outer-lr", type=float, help="diloco: outer learning rate (default 0.7)")
-@click.option("--outer-momentum", type=float, help="diloco: outer Nesterov momentum (default 0.9)")
+@click.option("--outer-lr", type=float, help="diloco: outer learning rate (default 0.7; the digits tasks: 1.0)")
+@click.option("--outer-momentum", type=float, help="diloco: outer Nesterov momentum (default 0.9; the digits tasks: 0)")
 @click.option("--compress", type=click.Choice(["none", "fp16", "bf16", "int8", "int4"]), default=None,
               help="wire codec of model updates; int8/int4 send quantized increments of each host's public "
                    "copy with error feedback (default: Config.dataplane_compression)")

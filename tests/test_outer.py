@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from peerd.train.exchange import LocalGroup
-from peerd.train.outer import OuterOptimizer, fragment_bounds
+from peerd.train.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizer, fragment_bounds
+from peerd.train.tasks import get_task
 
 DIM = 300
 
@@ -192,6 +193,52 @@ def test_bad_configuration_and_nan_gradients():
     model.weight.grad.fill_(float("nan"))
     opt.step()
     assert torch.equal(model.weight.detach(), before) and opt.stats["nonfinite_grads"] == 1
+
+
+def _digits_rounds(outer_lr: float, outer_momentum: float, H: int = 8, rounds: int = 40) -> float:
+    """Two digits hosts on the complete graph with the task's inner SGD: the final accuracy."""
+    task = get_task("digits")
+    d = task.defaults
+    group = LocalGroup(2, "complete", timeout=60)
+    accuracy = []
+
+    def work(rank):
+        model = task.build(0)
+        opt = OuterOptimizer(model.parameters(), group.worker(rank), "sgd", lr=d["lr"], momentum=d["momentum"],
+                             outer_lr=outer_lr, outer_momentum=outer_momentum, inner_steps=H)
+        batches = task.batches(task.shard(rank, 2), d["batch_size"], 0)
+        for _ in range(H * rounds):
+            opt.zero_grad()
+            task.loss(model, next(batches)).backward()
+            opt.step()
+        if rank == 0:
+            accuracy.append(task.evaluate(model)["accuracy"])
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return accuracy[0]
+
+
+def test_the_digits_tasks_outer_step_trains_where_dilocos_overshoots():
+    """40 rounds of 8 steps: DiLoCo's (0.7, 0.9) on top of the task's inner SGD (lr 0.1, momentum
+    0.9) ends near chance (docs/low-communication.md, "Outer step by task"); the task's own outer
+    step, which `peerd train --outer diloco` takes unless told otherwise, trains."""
+    from peerd.train.worker import make_optimizer, parse_args
+    task = get_task("digits")
+    assert _digits_rounds(*task.outer_step) >= 0.9
+    assert _digits_rounds(DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM) < 0.8
+    model = task.build(0)
+    for argv, want in (([], task.outer_step), (["--outer-lr", "0.5", "--outer-momentum", "0.3"], (0.5, 0.3))):
+        args = parse_args(["--task", "digits", "--iterations", "1", "--outer", "diloco", "--inner-steps", "4", *argv])
+        opt = make_optimizer(args, task, model, LocalGroup(1, "complete").worker(0), "sgd", dict(lr=0.1))
+        assert (opt.outer_lr, opt.outer_momentum) == want
+    args = parse_args(["--task", "svm", "--iterations", "1", "--outer", "diloco", "--inner-steps", "4"])
+    opt = make_optimizer(args, get_task("svm"), get_task("svm").build(0), LocalGroup(1, "complete").worker(0), "sgd",
+                         dict(lr=0.1))
+    assert (opt.outer_lr, opt.outer_momentum) == (DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM)
 
 
 def test_peerd_train_checks_the_low_communication_options():

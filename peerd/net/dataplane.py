@@ -75,8 +75,9 @@ DISCARDED_KINDS = frozenset({"probe"})
 UPDATE_KINDS = frozenset({"model", "carry"})   # a run's updates (pushed, or carried to a puller)
 # refusals that are the sending peer's fault, not the network's: reported to on_offence
 OFFENCES = frozenset({"layout_mismatch"})
-# refusals counted but not logged one by one (a flagged peer's every update)
-QUIET_REASONS = frozenset({"screened"})
+# refusals counted but not logged one by one: a flagged peer's every update; a pull for parameters
+# not held (a calm start's join pull asks every neighbour for some it cannot have yet)
+QUIET_REASONS = frozenset({"screened", "not_found"})
 ACTIVITY_EVERY = 0.5   # seconds between two on_activity calls for one peer
 CRC_PART = 8 << 20     # checksums are computed in parts of this size, in parallel, then combined
 CHECKSUMS = frozenset({"crc32c", "crc32", "none"})
@@ -518,7 +519,7 @@ class DataPlane:
     def _refuse(self, err: TransferError, peer: str, what: str) -> None:
         self.rejected[err.reason] += 1
         if err.reason in QUIET_REASONS:
-            return  # counted; the screen's owner logs the flag once
+            return  # counted; the screen's owner logs a flag once, the puller its NOT_FOUND
         log.warning("%s from %s refused: %s", what, peer or "<unauthenticated>", err)
         if err.reason in OFFENCES and peer and self.on_offence is not None:
             self.on_offence(peer, f"{err.reason}: {err.details}")

@@ -52,6 +52,7 @@ import torch
 from peerd.train.exchange import Exchange
 from peerd.train.flat import FlatParams, all_finite, parse_dtype
 
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9   # Douillard et al. 2023, with an inner AdamW
 FRAGMENT_ALIGN = 512       # fragment bounds: whole blocks of the int8 codec (128 float32)
 
 
@@ -79,7 +80,7 @@ class OuterOptimizer:
     def __init__(self, params: Iterable[Any], exchange: Exchange,
                  inner: torch.optim.Optimizer | str = "adamw", *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, momentum: float = 0.0,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_lr: float = DILOCO_OUTER_LR, outer_momentum: float = DILOCO_OUTER_MOMENTUM, nesterov: bool = True,
                  inner_steps: int = 0, round_seconds: float = 0.0, fragments: int = 1, overlap: int = 0,
                  weigh_by_steps: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         if (inner_steps > 0) == (round_seconds > 0):
@@ -123,7 +124,8 @@ class OuterOptimizer:
         self.pending: tuple[int, int, int] | None = None   # (iteration, fragment, steps left) of a sync in flight
         self.period = round_seconds / len(self.bounds)
         self.next_sync = clock() + self.period
-        self.stats = dict(syncs=0, mixed=0, unmixed=0, nonfinite_grads=0, nonfinite_mix=0, wait_s=0.0)
+        self.stats = dict(syncs=0, mixed=0, unmixed=0, nonfinite_grads=0, nonfinite_mix=0, wait_s=0.0,
+                          fewest_steps=0, most_steps=0)   # inner steps between two syncs
 
     # -- the training loop's calls -----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -163,6 +165,11 @@ class OuterOptimizer:
             k, frag, _ = self.pending
             self._finish(k, frag)
 
+    def summary(self) -> str:
+        st = self.stats
+        return (f"{st['syncs']} syncs ({st['mixed']} mixed, {st['unmixed']} alone), {self.steps} inner steps "
+                f"({st['fewest_steps']}-{st['most_steps']} between two syncs), {st['wait_s']:.1f} s waiting for mixes")
+
     # -- sync points ---------------------------------------------------------------------------------------
     def _due(self) -> bool:
         if self.inner_steps:
@@ -181,6 +188,9 @@ class OuterOptimizer:
         # With fragments, the publish names the bytes that changed: the data plane sends only those.
         ranges = None if len(self.bounds) == 1 else ((0, self.layout.total_bytes) if k == 0 else (lo, hi))
         self.exchange.publish(k, self.public, mass=mass, ranges=ranges)
+        st = self.stats
+        st["fewest_steps"] = min(st["fewest_steps"] or self.since_sync, self.since_sync)
+        st["most_steps"] = max(st["most_steps"], self.since_sync)
         self.since[frag] = 0
         self.since_sync = 0
         self.pending = (k, frag, self.overlap)

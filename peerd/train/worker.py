@@ -36,7 +36,7 @@ import torch
 from peerd.train.client import attach
 from peerd.train.device import DEVICES, StagedExchange, make_engine, resolve_device
 from peerd.train.optim import DecentralizedOptimizer
-from peerd.train.outer import OuterOptimizer
+from peerd.train.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizer
 from peerd.train.pace import Pace
 from peerd.train import warmstart
 from peerd.train.tasks import get_task
@@ -175,8 +175,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="diloco: seconds of inner steps per round (a time budget: slow hosts take fewer steps)")
     ap.add_argument("--fragments", type=int, default=1, help="diloco: sync the model in this many fragments, in turn")
     ap.add_argument("--overlap", type=int, default=0, help="diloco: inner steps a sync's exchange overlaps")
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--outer-lr", type=float, help="diloco: outer learning rate (default: the task's, else 0.7)")
+    ap.add_argument("--outer-momentum", type=float,
+                    help="diloco: outer Nesterov momentum (default: the task's, else 0.9)")
     ap.add_argument("--init", help="start from these model weights (a state_dict or a trainer checkpoint) "
                                    "unless this run's own checkpoint exists")
     return ap.parse_args(argv)
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         exchange.report(opt.iteration, loss.item(), step_time_s=time.perf_counter() - t0, **extra)
     if outer:
         opt.finish()
+        log.info("diloco: %s", opt.summary())
     exchange.close()
     if trace is not None:
         trace.close()
@@ -281,7 +283,7 @@ def build_model_and_optimizer(args, task, device, exchange, ckpt_dir: Path, inne
         warm = warmstart.load_init(model, args.init)
         log.info("initial weights from %s", args.init)
     model.to(device)
-    opt = make_optimizer(args, model, exchange, inner, defaults)
+    opt = make_optimizer(args, task, model, exchange, inner, defaults)
     if warm is not None:
         try:
             opt.seed_moments(warm)
@@ -326,7 +328,7 @@ def describe_task(task, shard) -> dict[str, float]:
     return baseline
 
 
-def make_optimizer(args, model, exchange, inner: str, defaults: dict):
+def make_optimizer(args, task, model, exchange, inner: str, defaults: dict):
     """DecentralizedOptimizer (one mix per step), or with --outer diloco an OuterOptimizer whose
     inner optimizer takes the task's settings."""
     if args.outer == "none":
@@ -334,15 +336,19 @@ def make_optimizer(args, model, exchange, inner: str, defaults: dict):
     kw = {k: defaults[k] for k in ("lr", "betas", "weight_decay", "momentum") if k in defaults}
     if inner not in ("sgd", "adam", "adamw"):
         raise SystemExit(f"--outer diloco takes the inner optimizer sgd, adam or adamw, not {inner!r}")
+    task_lr, task_momentum = getattr(task, "outer_step", (DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM))
+    outer_lr = task_lr if args.outer_lr is None else args.outer_lr
+    outer_momentum = task_momentum if args.outer_momentum is None else args.outer_momentum
     try:
-        opt = OuterOptimizer(model.parameters(), exchange, inner, outer_lr=args.outer_lr,
-                             outer_momentum=args.outer_momentum, inner_steps=args.inner_steps,
+        opt = OuterOptimizer(model.parameters(), exchange, inner, outer_lr=outer_lr,
+                             outer_momentum=outer_momentum, inner_steps=args.inner_steps,
                              round_seconds=args.round_seconds, fragments=args.fragments, overlap=args.overlap, **kw)
     except ValueError as e:
         raise SystemExit(f"--outer diloco: {e}") from None
-    log.info("diloco: %s, %d fragment(s), overlap %d, outer lr %g momentum %g, inner %s",
+    log.info("diloco: %s, %d fragment(s), overlap %d, outer lr %g momentum %g%s, inner %s",
              f"{args.inner_steps} inner steps per round" if args.inner_steps else f"rounds of {args.round_seconds:g}s",
-             args.fragments, args.overlap, args.outer_lr, args.outer_momentum, inner)
+             args.fragments, args.overlap, outer_lr, outer_momentum,
+             f" (the {task.name} task's)" if None in (args.outer_lr, args.outer_momentum) and hasattr(task, "outer_step") else "", inner)
     return opt
 
 
