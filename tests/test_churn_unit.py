@@ -1,7 +1,7 @@
 """The chaos report's arithmetic (peerd/lab/churn.py), without a lab."""
 from __future__ import annotations
 
-from peerd.lab.churn import ChaosReport, _note_readmissions, longest_stall
+from peerd.lab.churn import ChaosReport, _note_readmissions, longest_stall, longest_stall_window
 
 
 def rec(t, k, mixed=1, state="training", message=""):
@@ -13,6 +13,7 @@ def test_longest_stall_counts_gaps_between_advances_and_skips_excluded_time():
     assert longest_stall(rs, 0.0, 5.0) == 3.5                 # 0.5 .. 4.0 at iteration 2
     assert longest_stall(rs, 0.0, 5.0, [(1.5, 3.5)]) == 1.5   # the host was down for 2 of those 3.5 s
     assert longest_stall(rs, 0.0, 9.0) == 4.5                 # no advance after 4.5 until the end
+    assert longest_stall_window(rs, 0.0, 5.0) == (3.5, 0.5, 4.0)
 
 
 def test_readmission_needs_progress_past_the_join_and_a_mix():

@@ -184,7 +184,13 @@ class TrainStream:
 def longest_stall(records: list[dict], t0: float, t1: float, exclude: list[tuple[float, float]] = ()) -> float:
     """Longest wall time within [t0, t1] between two advances of a host's iteration, not counting
     the intervals in `exclude` (the host down or rejoining)."""
-    points, last_k, worst, last_t = [], -1, 0.0, t0
+    return longest_stall_window(records, t0, t1, exclude)[0]
+
+
+def longest_stall_window(records: list[dict], t0: float, t1: float,
+                         exclude: list[tuple[float, float]] = ()) -> tuple[float, float, float]:
+    """longest_stall, with the advances that bound it: (stall, from, to)."""
+    points, last_k, worst, last_t = [], -1, (0.0, t0, t0), t0
     for r in records:
         t = r.get("t", 0)
         if t0 <= t <= t1 and r.get("iteration", 0) > last_k:
@@ -194,7 +200,8 @@ def longest_stall(records: list[dict], t0: float, t1: float, exclude: list[tuple
         gap = t - last_t
         for a, b in exclude:  # minus the part of the gap inside an excluded interval
             gap -= max(0.0, min(t, b) - max(last_t, a))
-        worst = max(worst, gap)
+        if gap > worst[0]:
+            worst = (gap, last_t, t)
         last_t = t
     return worst
 
@@ -204,6 +211,7 @@ class ChaosReport:
     duration_s: float
     kills: list[dict] = field(default_factory=list)        # host, killed_at, restarted_at, readmitted_s
     stalls: dict[str, float] = field(default_factory=dict)  # host -> longest stall while live (s)
+    stall_windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # host -> its (from, to), run time
     accuracy: dict[str, float] = field(default_factory=dict)
     calm_accuracy: dict[str, float] = field(default_factory=dict)
     cuts: list[dict] = field(default_factory=list)
@@ -214,6 +222,9 @@ class ChaosReport:
         return {"duration_s": round(self.duration_s, 1), "kills": self.kills, "cuts": self.cuts,
                 "longest_stall_s": round(max(self.stalls.values(), default=0.0), 2),
                 "stall_per_host_s": {h: round(s, 2) for h, s in self.stalls.items()},
+                # when the longest stall of each host began and ended (s into the run: compare with
+                # the kills' killed_at and restarted_at, those of its neighbours above all)
+                "stall_window_per_host_s": {h: [round(a, 2), round(b, 2)] for h, (a, b) in self.stall_windows.items()},
                 "readmission_s_max": round(max(readm), 2) if readm else None,
                 "not_readmitted": [k["host"] for k in self.kills if k.get("readmitted_s") is None],
                 "final_accuracy": self.accuracy, "calm_accuracy": self.calm_accuracy, "final_state": self.states}
@@ -342,7 +353,8 @@ def _conclude(report: "ChaosReport", streams: dict[str, "TrainStream"], retired:
         recs.sort(key=lambda r: r.get("t", 0))
         # Up to its end of the run: a host that finished first is done, not stalled.
         t_end = min([r["t"] for r in recs if r.get("state") == "done" and "t" in r] + [t_chaos_end])
-        report.stalls[h] = longest_stall(recs, t_start, t_end, down[h])
+        stall, a, b = longest_stall_window(recs, t_start, t_end, down[h])
+        report.stalls[h], report.stall_windows[h] = stall, (a - t_start, b - t_start)
 
 
 def _note_readmissions(report: ChaosReport, streams: dict[str, TrainStream],
