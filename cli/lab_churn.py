@@ -87,7 +87,7 @@ def chaos(lab_dir: str | None, duration: float, kill_every: float, down_for: flo
     except LabError as e:
         raise click.ClickException(str(e)) from None
     rec = report.record()
-    rec["stall_bound_s"] = cfg.membership.dead_after + cfg.lab.churn_stall_slack
+    rec["stall_bound_s"] = churn.stall_bound(cfg, overlapping=(max_down or max(1, len(lb.hosts) // 3)) > 1)
     if as_json:
         click.echo(json.dumps(rec, indent=1))
         return

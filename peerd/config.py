@@ -451,8 +451,10 @@ class LabConfig:
                                                    "fed by a faster link cost a gloo all-reduce of 1.1 MB 13 % more); "
                                                    "'' keeps the kernel's default")
     wire_max_bytes: int = _f(64 << 20, "most bytes one lab delay wire holds in flight before dropping")
-    churn_stall_slack: float = _f(4.0, "seconds beyond dead_after that a live host may go without an iteration "
-                                       "while peers crash or leave (the stall bound is dead_after + this)", key='churn_stall_slack')
+    churn_stall_slack: float = _f(4.0, "seconds beyond its waits for crashed or restarting neighbours that a live host "
+                                       "may go without an iteration under churn (the stall bound of `peerd lab chaos`: "
+                                       "one or, with overlapping downtimes, two waits of max(dead_after, "
+                                       "train_silent_peer_timeout), plus this)", key='churn_stall_slack')
     churn_readmit_bound: float = _f(45.0, "seconds from a crashed host's daemon restart until it trains and mixes "
                                           "in the run again (`peerd lab chaos` checks it)", key='churn_readmit_bound')
     chaos_down_for: float = _f(3.0, "seconds `peerd lab chaos` keeps a killed host down (keep it above "

@@ -29,3 +29,12 @@ def test_readmission_needs_progress_past_the_join_and_a_mix():
     k = report.kills[0]
     assert k["readmitted_s"] == 3.0 and k["back_after_kill_s"] == 8.0 and k["joined_at_iteration"] == 120 and "iteration 120" in k["join_note"]
     assert away == set() and down["h1"] == [(5.0, 12.0)]
+
+
+def test_stall_bound_is_one_wait_or_two_where_downtimes_overlap():
+    from peerd.config import Config
+    from peerd.lab.churn import stall_bound
+    cfg = Config(dead_after=2.0)
+    assert stall_bound(cfg, overlapping=False, silent=3.0) == 3.0 + cfg.lab.churn_stall_slack
+    assert stall_bound(cfg, overlapping=True, silent=3.0) == 6.0 + cfg.lab.churn_stall_slack
+    assert stall_bound(cfg, overlapping=False) == cfg.train.silent_peer_timeout + cfg.lab.churn_stall_slack

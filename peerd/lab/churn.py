@@ -181,6 +181,18 @@ class TrainStream:
         return self.records
 
 
+def stall_bound(cfg: Config, overlapping: bool, silent: float | None = None) -> float:
+    """How long a live host may go without an iteration under churn: one wait for a neighbour that
+    crashed (dead_after) or whose restarted trainer is not contributing yet (train_silent_peer_timeout,
+    or `silent` where the daemons run with another), plus churn_stall_slack. Two waits where
+    downtimes overlap: a host then re-admits neighbours coming back one after another, each at a
+    lower iteration than its own, and waits each time for a fresh trainer to compute its way up
+    (measured in a 6-host chaos run with 4 down at once: three re-admissions 2 s apart stalled two
+    hosts 7.0 and 7.4 s, no single wait reaching the silent bound)."""
+    one = max(cfg.membership.dead_after, cfg.train.silent_peer_timeout if silent is None else silent)
+    return (2 if overlapping else 1) * one + cfg.lab.churn_stall_slack
+
+
 def longest_stall(records: list[dict], t0: float, t1: float, exclude: list[tuple[float, float]] = ()) -> float:
     """Longest wall time within [t0, t1] between two advances of a host's iteration, not counting
     the intervals in `exclude` (the host down or rejoining)."""
