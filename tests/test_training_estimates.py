@@ -7,6 +7,7 @@ import time
 import types
 
 import grpc
+import pytest
 import torch
 
 from peerd.config import Config
@@ -109,6 +110,26 @@ def test_transfer_bounds_grow_with_the_model_and_the_link_up_to_their_cap(tmp_pa
     env.cfg = cfg.replace(train_transfer_slack=0.0)
     assert transfer_bound(env, 5.0, mb, "b3", cap=30.0) == 5.0            # 0: fixed bounds
     assert mix_bound(env, mb, ["b3"]) == largest_mix_bound(env, mb) == 60.0
+
+
+def test_one_stalled_iteration_does_not_stretch_the_silent_bound(tmp_path):
+    """The silent bound allows two of our iterations at the run's pace (the median of the last
+    few), not two of the last one, which may have waited out a crashed neighbour."""
+    cfg = Config().replace(run_id="t", train_silent_peer_timeout=3.0)
+
+    async def go():
+        run = TrainingRun(_daemon(tmp_path, cfg), _spec("hop"), ["a1", "a2", "b3"])
+        live = run.liveness
+        bounds = [live.silent_bound()]                      # nothing published yet
+        for t in (0.0, 0.3, 0.6, 0.9, 1.2, 6.2):            # four iterations of 0.3 s, then a 5 s stall
+            live.published(now=t)
+        bounds.append(live.silent_bound())
+        for t in (11.2, 16.2, 21.2):                        # the run's pace itself slows down: it counts
+            live.published(now=t)
+        bounds.append(live.silent_bound())
+        cancel_tasks(run)
+        return bounds
+    assert asyncio.run(go()) == pytest.approx([3.0, 3.6, 13.0])
 
 
 def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):

@@ -17,7 +17,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import statistics
 import time
 from typing import Callable
 
@@ -38,6 +40,7 @@ log = logging.getLogger("peerd.train")
 # gets a chunk through every 2-4 s (in the lab, updates streaming in were marked silent).
 ARRIVING_WINDOW = 2.0
 ARRIVING_CHUNKS = 4
+ITERATIONS_KEPT = 5   # our last iterations' durations, whose median is our pace
 
 
 class PeerLiveness:
@@ -59,7 +62,7 @@ class PeerLiveness:
         self._waited_since: dict[int, float] = {}   # per neighbour waited on: since when
         self._last_publish = 0.0
         self._bytes_at: dict[int, float] = {}  # when bytes of an update from each neighbour last arrived
-        self._iteration_s = 0.0               # seconds between our last two publishes
+        self._intervals: collections.deque[float] = collections.deque(maxlen=ITERATIONS_KEPT)  # between publishes
         self._lost: dict[int, int] = {}       # neighbour -> iteration of its update that failed before our mix asked
 
     # --- membership -------------------------------------------------------------------------------
@@ -219,18 +222,21 @@ class PeerLiveness:
         others = [self.ctx.nodes[i] for i in self.ctx.others()]
         return mix_bound(self.ctx.env, self.model_bytes(), others) + self.iteration_allowance()
 
-    def published(self) -> None:
+    def published(self, now: float | None = None) -> None:
         """Our trainer published: the time between publishes is this run's iteration (a DiLoCo
         round of many inner steps may last minutes)."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self._last_publish:
-            self._iteration_s = now - self._last_publish
+            self._intervals.append(now - self._last_publish)
         self._last_publish = now
 
     def iteration_allowance(self) -> float:
         """Two of our own iterations: a neighbour whose iterations last as long as ours is slow, not
-        silent (added to the silent bound and to train_mix_timeout)."""
-        return 2 * self._iteration_s
+        silent (added to the silent bound and to train_mix_timeout). An iteration is the median of
+        the last few: one that waited out a crashed neighbour is not this run's pace, and taken as
+        it would stretch the next wait by twice that stall (under churn, a chain of re-admissions
+        then held hosts for several seconds without any neighbour ever counting as silent)."""
+        return 2 * statistics.median(self._intervals) if self._intervals else 0.0
 
     def silent_bound(self) -> float:
         return self.ctx.cfg.train.silent_peer_timeout + self.iteration_allowance()
