@@ -234,8 +234,7 @@ class PeerLiveness:
         """Two of our own iterations: a neighbour whose iterations last as long as ours is slow, not
         silent (added to the silent bound and to train_mix_timeout). An iteration is the median of
         the last few: one that waited out a crashed neighbour is not this run's pace, and taken as
-        it would stretch the next wait by twice that stall (under churn, a chain of re-admissions
-        then held hosts for several seconds without any neighbour ever counting as silent)."""
+        it is would stretch the next wait by twice that stall."""
         return 2 * statistics.median(self._intervals) if self._intervals else 0.0
 
     def silent_bound(self) -> float:
