@@ -9,7 +9,7 @@ import torch
 
 from peerd.train.exchange import LocalGroup
 from peerd.train.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizer, fragment_bounds
-from peerd.train.tasks import get_task
+from peerd.train.tasks import get_task, in_threads, train_outer_local
 
 DIM = 300
 
@@ -35,31 +35,19 @@ def _loss(model, x, y):
 
 def _run_workers(world, make_opt, steps, topology="complete"):
     group = LocalGroup(world, topology, timeout=20)
-    models, opts, errors = [], [], []
 
     def work(rank):
-        try:
-            model = _model()
-            opt = make_opt(model, group.worker(rank), rank)
-            x, y = _data(rank)
-            models.append((rank, model))
-            opts.append((rank, opt))
-            for _ in range(steps(rank)):
-                opt.zero_grad()
-                _loss(model, x, y).backward()
-                opt.step()
-            opt.finish()
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return dict(models), dict(opts)
+        model = _model()
+        opt = make_opt(model, group.worker(rank), rank)
+        x, y = _data(rank)
+        for _ in range(steps(rank)):
+            opt.zero_grad()
+            _loss(model, x, y).backward()
+            opt.step()
+        opt.finish()
+        return model, opt
+    done = in_threads(world, work)
+    return {r: m for r, (m, _) in enumerate(done)}, {r: o for r, (_, o) in enumerate(done)}
 
 
 def test_complete_graph_is_diloco_as_published():
@@ -198,28 +186,7 @@ def test_bad_configuration_and_nan_gradients():
 def _digits_rounds(outer_lr: float, outer_momentum: float, H: int = 8, rounds: int = 40) -> float:
     """Two digits hosts on the complete graph with the task's inner SGD: the final accuracy."""
     task = get_task("digits")
-    d = task.defaults
-    group = LocalGroup(2, "complete", timeout=60)
-    accuracy = []
-
-    def work(rank):
-        model = task.build(0)
-        opt = OuterOptimizer(model.parameters(), group.worker(rank), "sgd", lr=d["lr"], momentum=d["momentum"],
-                             outer_lr=outer_lr, outer_momentum=outer_momentum, inner_steps=H)
-        batches = task.batches(task.shard(rank, 2), d["batch_size"], 0)
-        for _ in range(H * rounds):
-            opt.zero_grad()
-            task.loss(model, next(batches)).backward()
-            opt.step()
-        if rank == 0:
-            accuracy.append(task.evaluate(model)["accuracy"])
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return accuracy[0]
+    return task.evaluate(train_outer_local(task, 2, rounds, H, outer_lr, outer_momentum)[0])["accuracy"]
 
 
 def test_the_digits_tasks_outer_step_trains_where_dilocos_overshoots():

@@ -114,7 +114,7 @@ class Digits(_Classification):
     defaults = dict(inner="sgd", lr=0.1, momentum=0.9, weight_decay=0.0, batch_size=32)
     # --outer diloco: plain averaging. The inner SGD moves far in a round (momentum 0.9 at lr 0.1),
     # and DiLoCo's outer Nesterov step (0.7, 0.9) on top of it overshoots more every round: 40
-    # rounds of 8 steps on two hosts end at chance (0.08), against 0.97 with averaging
+    # rounds of 8 steps on two hosts end at chance (0.09-0.11), against 0.97 with averaging
     # (docs/low-communication.md, "Outer step").
     outer_step = (1.0, 0.0)
     GLYPHS = (
@@ -416,6 +416,55 @@ def run_worker(task: Any, exchange: Any, iterations: int, *, rank: int | None = 
     return model, opt
 
 
+def in_threads(world: int, work: Callable[[int], Any]) -> list[Any]:
+    """work(rank) for every rank, each in its own thread (the workers of one LocalGroup); their
+    results by rank. The first exception of any is raised here. Joins without a timeout: every mix
+    of a LocalGroup waits at most its timeout."""
+    import threading
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = work(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,), name=f"worker-{r}") for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def train_outer_local(task: Any, world: int, rounds: int, inner_steps: int, outer_lr: float,
+                      outer_momentum: float, topology: Any = "complete", seed: int = 0) -> list[nn.Module]:
+    """DiLoCo in-process: `world` threads, each an OuterOptimizer with the task's inner optimizer
+    and batch size, `rounds` syncs of `inner_steps` steps on a LocalGroup. The trained models."""
+    from peerd.train.exchange import LocalGroup
+    from peerd.train.outer import OuterOptimizer
+    inner, batch_size, hp = _split(task, {})
+    kw = {k: hp[k] for k in ("lr", "betas", "weight_decay", "momentum") if k in hp}
+    group = LocalGroup(world, topology, timeout=60)
+    models = [task.build(seed) for _ in range(world)]   # here: build seeds torch's global generator
+
+    def work(r: int) -> nn.Module:
+        model = models[r]
+        opt = OuterOptimizer(model.parameters(), group.worker(r), inner, outer_lr=outer_lr,
+                             outer_momentum=outer_momentum, inner_steps=inner_steps, **kw)
+        batches = task.batches(task.shard(r, world, False, seed), batch_size, seed)
+        for _ in range(inner_steps * rounds):
+            opt.zero_grad()
+            task.loss(model, next(batches)).backward()
+            opt.step()
+        opt.finish()
+        return model
+    return in_threads(world, work)
+
+
 def train_local(task: Any, world: int = 4, iterations: int = 200, topology: Any = "ring",
                 non_iid: bool = False, seed: int = 0, eval_every: int = 0, threads: bool = False,
                 **opt_overrides: Any) -> LocalRun:
@@ -433,24 +482,8 @@ def train_local(task: Any, world: int = 4, iterations: int = 200, topology: Any 
     models = [task.build(seed) for _ in range(world)]
     run = LocalRun()
     if threads:
-        import threading
-        opts: list[Any] = [None] * world
-        errors: list[BaseException] = []
-
-        def work(r: int) -> None:
-            try:
-                opts[r] = run_worker(task, group.worker(r), iterations, non_iid=non_iid, seed=seed,
-                                     model=models[r], **opt_overrides)[1]
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                errors.append(e)
-
-        ts = [threading.Thread(target=work, args=(r,), name=f"worker-{r}") for r in range(world)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()       # bounded: every mix waits at most group.timeout
-        if errors:
-            raise errors[0]
+        opts: list[Any] = in_threads(world, lambda r: run_worker(
+            task, group.worker(r), iterations, non_iid=non_iid, seed=seed, model=models[r], **opt_overrides)[1])
     else:
         inner, batch_size, hp = _split(task, opt_overrides)
         opts = [DecentralizedOptimizer(m.parameters(), group.worker(r), inner, **hp)

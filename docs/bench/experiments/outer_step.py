@@ -1,8 +1,8 @@
 """Which outer step `--outer diloco` should take on a built-in task: DiLoCo's Nesterov step
 (lr 0.7, momentum 0.9), a lighter momentum, or plain averaging (lr 1, no momentum).
 
-In-process: `world` hosts as threads on the complete graph (peerd.train.exchange.LocalGroup), each
-with the real OuterOptimizer and the task's own inner optimizer and batch size, fixed H. Prints a
+In-process (peerd.train.tasks.train_outer_local): `world` hosts as threads on the complete graph,
+each with the real OuterOptimizer and the task's own inner optimizer and batch size, fixed H. Prints a
 markdown table of the final metric per seed (accuracy, or validation loss for lm).
 
     .venv/bin/python docs/bench/experiments/outer_step.py [TASK] [SEEDS]     # digits, 3
@@ -10,14 +10,12 @@ markdown table of the final metric per seed (accuracy, or validation loss for lm
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import torch
 
-from peerd.train.exchange import LocalGroup
-from peerd.train.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizer
-from peerd.train.tasks import get_task
+from peerd.train.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
+from peerd.train.tasks import get_task, train_outer_local
 
 STEPS = {"DiLoCo (0.7, 0.9)": (DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM), "momentum 0.5 (0.7, 0.5)": (0.7, 0.5),
          "averaging (1, 0)": (1.0, 0.0)}
@@ -25,35 +23,7 @@ SCHEDULES = [(8, 10), (20, 10), (50, 10), (8, 40)]   # (H, rounds)
 
 
 def run(task, H: int, rounds: int, outer: tuple[float, float], seed: int, world: int = 2) -> float:
-    d = dict(task.defaults)
-    inner, batch = d.pop("inner"), d.pop("batch_size")
-    kw = {k: d[k] for k in ("lr", "betas", "weight_decay", "momentum") if k in d}
-    group = LocalGroup(world, "complete", timeout=60)
-    models: dict[int, torch.nn.Module] = {}
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            model = task.build(seed)
-            opt = OuterOptimizer(model.parameters(), group.worker(rank), inner, outer_lr=outer[0],
-                                 outer_momentum=outer[1], inner_steps=H, **kw)
-            batches = task.batches(task.shard(rank, world, False, seed), batch, seed)
-            for _ in range(H * rounds):
-                opt.zero_grad()
-                task.loss(model, next(batches)).backward()
-                opt.step()
-            opt.finish()
-            models[rank] = model
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    models = train_outer_local(task, world, rounds, H, *outer, seed=seed)
     metrics = task.evaluate(models[0])
     return metrics.get("accuracy", metrics["loss"])
 
