@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from peerd.sim.engine import Simulator
 from peerd.sync import topology as T
 from peerd.sync.aau import AAU, spanning_tree
-from peerd.sync.events import Mix
+from peerd.sync.events import Mix, MixRequested, Published, UpdateArrived, UpdateLost, Wait
 from tests.sync_helpers import random_graph, random_spec, strongly_connected
 
 
@@ -97,3 +97,19 @@ def test_link_change_mid_run_switches_every_worker_at_the_same_iteration():
         assert strongly_connected(list(range(n)), set(edges)), k
         trees.add(edges)
     assert len(trees) == 2           # the tree changed once, for everyone at once
+
+
+def test_a_lost_update_is_not_waited_for_in_its_iteration_only():
+    """On a ring of 4 the tree (by ids, no estimates) is 0-1, 1-2, 2-3: worker 1 waits on 0 and 2.
+    2's update of 0 is lost on its way: the mix of 0 goes without it, the mix of 1 waits for 2."""
+    p = AAU(1, T.ring(4))
+    assert p.waited(0) == [0, 2]
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(0, 0), 0.1)
+    assert isinstance(p.on_event(MixRequested(0), 0.2)[0], Wait)
+    acts = p.on_event(UpdateLost(2, 0), 0.3)
+    assert any(isinstance(a, Mix) and {j for j, _, _ in a.entries} == {0, 1} for a in acts), acts
+    p.on_event(Published(1), 0.4)
+    p.on_event(UpdateArrived(0, 1), 0.5)
+    assert not any(isinstance(a, Mix) for a in p.on_event(MixRequested(1), 0.6))
+    assert any(isinstance(a, Mix) for a in p.on_event(UpdateArrived(2, 1), 0.7))

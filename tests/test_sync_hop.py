@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from peerd.sim.engine import Simulator
 from peerd.sync import topology as T
 from peerd.sync.baselines import DPSGD
-from peerd.sync.events import Grant, Mix, MixRequested, Published, Send, Skip, TokensArrived, UpdateArrived
+from peerd.sync.events import (Grant, Mix, MixRequested, PeerDown, Published, Send, Skip, TokensArrived,
+                               UpdateArrived, UpdateLost, Wait)
 from peerd.sync.hop import Hop
 from tests.sync_helpers import random_graph, random_spec
 
@@ -169,3 +170,48 @@ def test_a_lost_grant_is_made_up_by_the_next_update():
     p.on_event(UpdateArrived(2, 1), 0.4)
     acts = p.on_event(MixRequested(1), 0.5)
     assert any(isinstance(a, Mix) and a.k == 1 for a in acts), acts
+
+
+@pytest.mark.parametrize("mode", [dict(max_ig=None), dict(max_ig=2), dict(max_ig=2, backup=1)])
+def test_a_lost_update_is_not_waited_for_in_its_iteration_only(mode):
+    """A neighbour's update of k failed on its way (UpdateLost): the mix of k goes without it, at
+    once or when asked; the neighbour stays one (no re-linking around it: on a ring of 5 a PeerDown
+    of 1 had worker 0 wait on 2, which never sends to 0), gets our next update, and the mix of k + 1
+    waits for it again. In backup mode the lost update is the one a mix may miss."""
+    p = Hop(0, T.ring(5), **mode)
+    p.on_event(Published(0), 0.0)
+    p.on_event(UpdateArrived(4, 0), 0.1)
+    first = p.on_event(MixRequested(0), 0.2)
+    lost = p.on_event(UpdateLost(1, 0), 0.3)
+    mixes = [a for a in first + lost if isinstance(a, Mix)]
+    assert len(mixes) == 1 and {j for j, _, _ in mixes[0].entries} == {0, 4}, first + lost
+    assert p.topo is p.base and not p.dead
+    sends = p.on_event(Published(1), 0.4)
+    assert {a.dst for a in sends if isinstance(a, Send)} == {1, 4}
+    p.on_event(UpdateArrived(4, 1), 0.5)
+    if mode.get("max_ig"):
+        p.on_event(TokensArrived(1, 1), 0.5)
+        p.on_event(TokensArrived(4, 1), 0.5)
+    waiting = p.on_event(MixRequested(1), 0.6)
+    if mode.get("backup"):
+        assert any(isinstance(a, Mix) and a.k == 1 for a in waiting), waiting   # one missing: backup
+    else:
+        assert [a for a in waiting if isinstance(a, Wait)] and p.waiting.on == [1], waiting
+        done = p.on_event(UpdateArrived(1, 1), 0.7)
+        assert any(isinstance(a, Mix) and {j for j, _, _ in a.entries} == {0, 1, 4} for a in done), done
+
+
+def test_a_lost_update_before_the_mix_is_asked_for_and_a_stale_one():
+    """A loss reported ahead of our mix counts when the trainer asks for it; one of an older
+    iteration changes nothing; a PeerDown clears it (back, the peer sends from where it rejoins)."""
+    p = DPSGD(0, T.ring(3))
+    p.on_event(Published(3), 0.0)
+    p.on_event(UpdateLost(1, 2), 0.0)                  # older: ignored
+    p.on_event(UpdateLost(2, 3), 0.0)                  # ours to come
+    p.on_event(UpdateArrived(1, 3), 0.1)
+    acts = p.on_event(MixRequested(3), 0.2)
+    assert any(isinstance(a, Mix) and {j for j, _, _ in a.entries} == {0, 1} for a in acts), acts
+    p.on_event(Published(4), 0.3)
+    p.on_event(UpdateLost(2, 4), 0.3)
+    p.on_event(PeerDown(2), 0.3)
+    assert p.lost == {}                                 # and the older one was never kept

@@ -16,6 +16,7 @@ from peerd.net.links import LinkMatrix
 from peerd.node.run.bounds import largest_mix_bound, mix_bound, transfer_allowance, transfer_bound
 from peerd.node.run.run import TrainingRun
 from peerd.node.run.spec import RunSpec
+from peerd.sync import events as ev
 from peerd.sync.events import WaitInfo
 from peerd.train.flat import Layout
 from peerd.v1 import control_pb2 as cpb
@@ -336,34 +337,33 @@ def test_a_neighbours_update_that_failed_mid_stream_is_not_waited_for(tmp_path):
     stalled): the mix waiting on it goes on without that neighbour at once, not after the silent
     bound (two of our iterations: minutes when they last minutes; a lab run waited 415 s). A
     failure before the trainer asks for that mix counts when it does; another run's update or an
-    older iteration's does not count; the neighbour's next update brings it back."""
+    older iteration's does not count. The neighbour is never marked absent: the mix of the next
+    iteration waits for it (marked absent until its next update, it was left out of that one too)."""
     cfg = Config().replace(run_id="t", train_silent_peer_timeout=30.0)
 
     async def go():
         run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), ["a1", "a2", "b3"])
-        run.mixer.layout = Layout.build([("w", "float32", (1000,))])
-        live, kind = run.liveness, run.ctx.kind("model")
-        run.policy.k = 0
+        live, kind, policy = run.liveness, run.ctx.kind("model"), run.policy
+        fed = []
+        live.feed = lambda e: fed.append(e) or policy.on_event(e, 0.0)
+        policy.on_event(ev.Published(1), 0.0)
         live.update_lost("a2", kind, 1)                  # before our mix of 1 is asked for
         live.update_lost("b3", "model:another-run", 1)
-        run.api.waiters[1] = asyncio.get_running_loop().create_future()
-        run.policy.waiting = WaitInfo("updates", 0.0, [1, 2])
-        live.arm_silent(1)
-        first = dict(live.absent)
-        run.policy.waiting = WaitInfo("updates", 0.0, [2])
         live.update_lost("b3", kind, 0)                  # an older iteration's
-        second = dict(live.absent)
-        live.update_lost("b3", kind, 1)                  # while the mix waits on it
-        third = dict(live.absent)
-        live.heard_from(1, 2)                            # a2's next update
-        live.disarm_silent()
+        policy.on_event(ev.UpdateArrived(2, 1), 0.0)
+        mixed = [a for a in policy.on_event(ev.MixRequested(1), 0.0) if isinstance(a, ev.Mix)]
+        reason = live.why_missing(1, 1)
+        policy.on_event(ev.Published(2), 0.0)
+        policy.on_event(ev.UpdateArrived(2, 2), 0.0)
+        waits = policy.on_event(ev.MixRequested(2), 0.0)
         cancel_tasks(run)
-        return first, second, third, dict(live.absent)
+        return fed, mixed, reason, waits, list(policy.waiting.on), dict(live.absent), live.why_missing(1, 2)
 
-    first, second, third, last = asyncio.run(go())
-    assert first == second == {1: "lost"}
-    assert third == {1: "lost", 2: "lost"}
-    assert last == {2: "lost"}
+    fed, mixed, reason, waits, waiting_on, absent, later = asyncio.run(go())
+    assert fed == [ev.UpdateLost(1, 1)]
+    assert len(mixed) == 1 and {j for j, _, _ in mixed[0].entries} == {0, 2} and reason == "lost"
+    assert isinstance(waits[0], ev.Wait) and waiting_on == [1]
+    assert absent == {} and later != "lost"
 
 
 def test_an_update_lost_by_a_host_that_then_went_down_does_not_count_once_it_is_back(tmp_path):
@@ -373,21 +373,19 @@ def test_an_update_lost_by_a_host_that_then_went_down_does_not_count_once_it_is_
 
     async def go():
         run = TrainingRun(_daemon(tmp_path, cfg), _spec("d-psgd"), ["a1", "a2", "b3"])
-        run.mixer.layout = Layout.build([("w", "float32", (1000,))])
-        live = run.liveness
-        run.policy.k = 0
+        live, policy = run.liveness, run.policy
+        live.feed = lambda e: policy.on_event(e, 0.0)
+        policy.on_event(ev.Published(0), 0.0)
         live.update_lost("a2", run.ctx.kind("model"), 1)   # the kill cut its push of 1
+        lost = dict(policy.lost)
         live.peer_down("a2")
         live.peer_up("a2", restarted=True)
         live.back_in_run("a2", 1)                          # rejoined at iteration 1
-        run.api.waiters[1] = asyncio.get_running_loop().create_future()
-        run.policy.waiting = WaitInfo("updates", 0.0, [1, 2])
-        live.arm_silent(1)
-        live.disarm_silent()
         cancel_tasks(run)
-        return dict(live.absent)
+        return lost, dict(policy.lost), live.why_missing(1, 1)
 
-    assert asyncio.run(go()) == {}
+    lost, after, reason = asyncio.run(go())
+    assert lost == {1: 1} and after == {} and reason != "lost"
 
 
 def test_a_pause_notice_covers_the_one_update_the_trainer_may_still_publish(tmp_path):

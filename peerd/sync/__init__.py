@@ -9,10 +9,10 @@ netmax, baselines (D-PSGD, SGP, AD-PSGD), registry (policies by name, options fr
 """
 from peerd.sync.events import (CURRENT, Action, Average, Drop, Event, Grant, LinkEstimates, Mix,
                                MixRequested, PeerDown, PeerUp, Published, Pull, PullRequested, Send,
-                               Skip, Tick, TokensArrived, UpdateArrived, Wait)
+                               Skip, Tick, TokensArrived, UpdateArrived, UpdateLost, Wait)
 from peerd.sync.policy import Policy
 from peerd.sync.registry import ALGORITHMS, build, options
 
 __all__ = ["CURRENT", "Action", "Average", "Drop", "Event", "Grant", "LinkEstimates", "Mix",
            "MixRequested", "PeerDown", "PeerUp", "Published", "Pull", "PullRequested", "Send", "Skip",
-           "Tick", "TokensArrived", "UpdateArrived", "Wait", "Policy", "ALGORITHMS", "build", "options"]
+           "Tick", "TokensArrived", "UpdateArrived", "UpdateLost", "Wait", "Policy", "ALGORITHMS", "build", "options"]

@@ -18,6 +18,8 @@ Reading choice: the paper's Pathsearch rules are not retrievable, so we implemen
   simulator tags them with its global view; the daemon tags them from the gossiped link matrix.
   Before any estimate, all costs are 1 (tree by ids). `late` counts estimates that arrived after
   their effective iteration (those rounds may mix two trees).
+- A lost update (UpdateLost(j, k): it failed on its way) is not waited for in iteration k; j stays
+  a tree neighbour.
 - Crash: PeerDown removes the peer; the graph is repaired around it (`topology.repair`: a ring
   re-links around the hole) and the tree is recomputed over the live workers (the others get the
   same PeerDown). A new neighbour gets my newest update at once; a tree neighbour that is past k
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from peerd.sync.events import (Action, Drop, LinkEstimates, Mix, MixRequested, PeerDown, PeerUp, Published,
-                               Tick, UpdateArrived, Wait)
+                               Tick, UpdateArrived, UpdateLost, Wait)
 from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology, renormalise
@@ -153,6 +155,9 @@ class AAU(Policy):
         self.versions.append((ev.effective_k, t))
         return self._try(now)
 
+    def on_update_lost(self, ev: UpdateLost, now: float) -> list[Action]:
+        return self._try(now)
+
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         out: list[Action] = [Drop(ev.peer, x) for x in sorted(self.held.pop(ev.peer, ()))]
         return out + self._retopo() + self._try(now)
@@ -193,7 +198,7 @@ class AAU(Policy):
                 used.append((j, k))
             elif later:                  # past k without sending it to me: its next update stands in
                 used.append((j, min(later)))
-            else:
+            elif not self.excused(j, k):
                 missing.append(j)
         if missing:
             self._wait("tree neighbours", missing, now)

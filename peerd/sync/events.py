@@ -64,6 +64,16 @@ class PullFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class UpdateLost:
+    """`src`'s update of iteration k will not come: it failed on its way (cut by its deadline on a
+    slow link, stalled) and its sender does not send it again. The mix of k does not wait for it;
+    `src` stays a neighbour and is waited on again from iteration k + 1 (unlike PeerDown, which
+    re-links the graph around it: one host's loss is not its neighbours' view)."""
+    src: int
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDown:
     peer: int
 
@@ -90,8 +100,8 @@ class Tick:
     """Time passed (a Wait deadline was reached, or the driver's periodic timer)."""
 
 
-Event = Published | MixRequested | UpdateArrived | TokensArrived | PullRequested | PullFailed | PeerDown \
-    | PeerUp | LinkEstimates | Tick
+Event = Published | MixRequested | UpdateArrived | UpdateLost | TokensArrived | PullRequested | PullFailed \
+    | PeerDown | PeerUp | LinkEstimates | Tick
 
 
 # --- actions (policy -> driver) -----------------------------------------------------------------

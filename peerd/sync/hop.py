@@ -35,6 +35,9 @@ Reading choices (the paper's details are reconstructed, see research/papers.md 1
   the live in-neighbours only) and from the token check; its held updates are dropped. Without a
   PeerDown the tokens stop neighbours max_ig iterations past a silent peer, by design.
 - PeerUp(p, k_p) re-admits p with its token counter reset as if p had granted up to k_p.
+- UpdateLost(p, k): p's update of k will not come; the mix of k goes without it (in backup mode it
+  is one of the b updates a mix may miss), p stays a neighbour (no repair, its tokens and our sends
+  go on) and the mix of k + 1 waits for it again.
 - Catch-up (ours, every mode): a live in-neighbour's tag beyond k + max_ig cannot happen while the
   tokens bind every edge; it means the two were apart (a healed partition: each side trained on
   alone and drifted further apart than the bound) or an edge was rebuilt around a dead worker. The
@@ -64,7 +67,7 @@ from __future__ import annotations
 from typing import Any
 
 from peerd.sync.events import (Action, Drop, Grant, Mix, MixRequested, PeerDown, PeerUp, Published,
-                               Skip, Tick, TokensArrived, UpdateArrived, Wait)
+                               Skip, Tick, TokensArrived, UpdateArrived, UpdateLost, Wait)
 from peerd.sync.policy import Algorithm, Policy
 from peerd.sync import topology
 from peerd.sync.topology import Topology
@@ -196,6 +199,9 @@ class Hop(Policy):
         self.granted[ev.src] = self.granted.get(ev.src, 0) + ev.n
         return self._try(now)
 
+    def on_update_lost(self, ev: UpdateLost, now: float) -> list[Action]:
+        return self._try(now)
+
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
         out: list[Action] = []
         self._drop(ev.peer, sorted(self.held.get(ev.peer, ())), out)
@@ -253,7 +259,7 @@ class Hop(Policy):
         else:
             got = [(j, x) for j in nb if (x := self._newest(j)) >= max(0, k - self.staleness)]
         have = {j for j, _ in got}
-        return got, [j for j in nb if j not in have]
+        return got, [j for j in nb if j not in have and not self.excused(j, k)]
 
     def _entries(self, k: int, got: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
         """Self first, then the usable updates, with the topology's (not renormalised) weights."""
@@ -289,7 +295,8 @@ class Hop(Policy):
         if k < 0 or k != self.k or self.mixed >= k:
             return []
         got, missing = self._gather(k)
-        need = max(0, len(self.live_in(k)) - self.backup)
+        # A lost update (UpdateLost) counts as one of the `backup` updates a mix may go without.
+        need = max(0, min(len(self.live_in(k)) - self.backup, len(got) + len(missing)))
         if len(got) < need:
             self._wait("updates", missing, now)
             return [Wait(f"updates of iteration {k} from {missing}")]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from peerd.sync.events import (Action, Event, LinkEstimates, MixRequested, PeerDown, PeerUp,
                                Published, PullFailed, PullRequested, Send, Tick, TokensArrived, UpdateArrived,
-                               WaitInfo)
+                               UpdateLost, WaitInfo)
 
 
 class Policy:
@@ -58,6 +58,7 @@ class Policy:
         self.dead: set[int] = set()
         self.waiting = WaitInfo()
         self.sent: dict[int, int] = {}   # peer -> the newest of our iterations pushed to it since it was last down
+        self.lost: dict[int, int] = {}   # peer -> the iteration of its newest update that will not come
 
     def on_event(self, ev: Event, now: float) -> list[Action]:
         match ev:
@@ -67,6 +68,11 @@ class Policy:
                 return self.on_mix_requested(ev, now)
             case UpdateArrived():
                 return self.on_update(ev, now)
+            case UpdateLost():
+                if ev.k < self.k:          # its mix is done
+                    return []
+                self.lost[ev.src] = max(ev.k, self.lost.get(ev.src, -1))
+                return self.on_update_lost(ev, now)
             case TokensArrived():
                 return self.on_tokens(ev, now)
             case PullRequested():
@@ -75,10 +81,12 @@ class Policy:
                 return self.on_pull_failed(ev, now)
             case PeerDown():
                 self.dead.add(ev.peer)
+                self.lost.pop(ev.peer, None)   # back, it sends from where it rejoins
                 self.sent.pop(ev.peer, None)   # what was on its way may be lost
                 return self.on_peer_down(ev, now)
             case PeerUp():
                 self.dead.discard(ev.peer)
+                self.lost.pop(ev.peer, None)
                 return self.on_peer_up(ev, now)
             case LinkEstimates():
                 return self.on_estimates(ev, now)
@@ -110,6 +118,13 @@ class Policy:
 
     def on_update(self, ev: UpdateArrived, now: float) -> list[Action]:
         return []
+
+    def on_update_lost(self, ev: UpdateLost, now: float) -> list[Action]:
+        return []
+
+    def excused(self, src: int, k: int) -> bool:
+        """`src`'s update of iteration k will not come (UpdateLost): the mix of k does not wait for it."""
+        return self.lost.get(src) == k
 
     def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
         return []

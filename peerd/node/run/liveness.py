@@ -52,7 +52,7 @@ class PeerLiveness:
         self.snapshots = snapshots
         self.is_waiting = is_waiting          # the trainer still waits for mix k
         self.model_bytes = model_bytes
-        self.absent: dict[int, str] = {}      # not contributing: "restarting", "finished", "silent", "lost"
+        self.absent: dict[int, str] = {}      # not contributing: "restarting", "finished", "silent"
         self.absent_at: dict[int, int] = {}   # a "restarting" notice's iteration: older updates were sent before it
         self.returning: set[str] = set()      # peers back in membership, not yet back in this run
         self.readmitted: dict[int, int] = {}  # re-admitted at this iteration, until its next update
@@ -63,7 +63,6 @@ class PeerLiveness:
         self._last_publish = 0.0
         self._bytes_at: dict[int, float] = {}  # when bytes of an update from each neighbour last arrived
         self._intervals: collections.deque[float] = collections.deque(maxlen=ITERATIONS_KEPT)  # between publishes
-        self._lost: dict[int, int] = {}       # neighbour -> iteration of its update that failed before our mix asked
 
     # --- membership -------------------------------------------------------------------------------
     def peer_down(self, node_id: str) -> None:
@@ -72,7 +71,6 @@ class PeerLiveness:
             return
         if self.absent.get(src) != "finished":
             self.absent.pop(src, None)   # the failure detector's word supersedes a notice
-        self._lost.pop(src, None)        # its losses are moot: back, it sends from where it rejoins
         self.outbound.reset(src)
         self.readmitted.pop(src, None)
         self.feed(ev.PeerDown(src))
@@ -95,7 +93,6 @@ class PeerLiveness:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
         if node_id in self.returning:
             self.returning.discard(node_id)
-            self._lost.pop(self.ctx.rank_of(node_id), None)
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.ctx.rank_of(node_id), max(k, 0)))
 
@@ -125,10 +122,10 @@ class PeerLiveness:
             self.feed(ev.PeerDown(src))
 
     def heard_from(self, src: int, k: int) -> None:
-        """An update of iteration k came from `src`: an absent (restarting, silent or lost)
-        neighbour contributes again."""
+        """An update of iteration k came from `src`: an absent (restarting or silent) neighbour
+        contributes again."""
         why = self.absent.get(src)
-        if why not in ("restarting", "silent", "lost"):
+        if why not in ("restarting", "silent"):
             return
         if why == "restarting" and k <= self.absent_at.get(src, -1):
             return   # sent before its notice, overtaken by it on another stream: not back yet
@@ -160,27 +157,24 @@ class PeerLiveness:
     def update_lost(self, node: str, kind: str, k: int) -> None:
         """Neighbour `node`'s update of iteration k failed mid-stream (cut by its deadline over a
         slow link, stalled): its sender does not push it again. A mix waiting on it would wait out
-        the silent bound for nothing (two of our iterations: minutes when they are long); it is
-        mixed without that neighbour now, which is back with its next update."""
+        the silent bound for nothing (two of our iterations: minutes when they are long). The mix
+        of k goes without it, now or when our trainer asks for it; the neighbour stays one (no
+        re-linking of the graph around it, which its other neighbours would not do) and the mix of
+        k + 1 waits for its next update."""
         src = self.ctx.rank_of(node)
-        if kind != self.ctx.kind("model") or src < 0 or src == self.ctx.rank:
+        if kind != self.ctx.kind("model") or src < 0 or src == self.ctx.rank or k < self.ctx.policy.k:
             return
-        if self.is_waiting(k):
-            self._mix_without_lost(k, {src: k})
-        elif k > self.ctx.policy.k:
-            self._lost[src] = k                # for the mix of k, once the trainer asks for it
+        if self.is_waiting(k) and src in self.ctx.policy.waiting.on:
+            log.warning("the update of iteration %d from %s failed mid-stream: mixed without it", k, node)
+        self.feed(ev.UpdateLost(src, k))
 
-    def _mix_without_lost(self, k: int, lost: dict[int, int]) -> None:
-        for src, lost_k in lost.items():
-            if lost_k == k and src in self.ctx.policy.waiting.on and src not in self.absent:
-                log.warning("the update of iteration %d from %s failed mid-stream: mixed without it", k,
-                            self.ctx.nodes[src])
-                self.set_absent(src, "lost")
-
-    def why_missing(self, src: int) -> str:
-        """Why neighbour `src` is not in a mix: its absence ("restarting", "finished", "silent", "lost"),
-        "dead" (membership), "flagged" (bad updates), else "not waited" (the policy's choice)."""
+    def why_missing(self, src: int, k: int) -> str:
+        """Why neighbour `src` is not in the mix of k: its absence ("restarting", "finished", "silent"),
+        its update "lost" on the way, "dead" (membership), "flagged" (bad updates), else "not waited"
+        (the policy's choice)."""
         node = self.ctx.nodes[src]
+        if self.ctx.policy.excused(src, k):
+            return "lost"
         if src in self.absent:
             return self.absent[src]
         if not self.ctx.env.alive(node):
@@ -248,8 +242,6 @@ class PeerLiveness:
             self._silent_since = time.monotonic()
             self._waited_since = {}
             after = self.silent_bound()
-            lost, self._lost = self._lost, {s: lk for s, lk in self._lost.items() if lk > k}
-            self._mix_without_lost(k, lost)
         self._silent_timer = asyncio.get_running_loop().call_later(after, self._silent_check, k)
 
     def disarm_silent(self) -> None:

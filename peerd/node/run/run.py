@@ -226,7 +226,7 @@ class TrainingRun:
         """The mix of k was answered with `sources`: which in-neighbours it left out, and why."""
         ctx = self.ctx
         lost = self.mixer.sums.lost_at.get(k, set()) if self.mixer.sums is not None else set()
-        left_out = {ctx.nodes[j]: "lost" if j in lost else self.liveness.why_missing(j)
+        left_out = {ctx.nodes[j]: "lost" if j in lost else self.liveness.why_missing(j, k)
                     for j in self.topology.in_neighbors(ctx.rank, max(k, 0))
                     if j != ctx.rank and ctx.nodes[j] and j not in sources}
         self.ledger.record(left_out)
