@@ -96,6 +96,8 @@ def _outer(mode: str | None, inner_steps: int, round_seconds: float, fragments: 
 @click.option("--hetero", type=float, default=0.1, show_default=True, help="non-i.i.d.-ness of the shards")
 @click.option("--noise", type=float, default=0.01, show_default=True, help="gradient noise")
 @click.option("--crash", multiple=True, help="WORKER:TIME, a worker crashes (repeatable)")
+@click.option("--lose", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              help="probability that a pushed update fails on its way (the receiver mixes without it)")
 @click.option("--timing-only", is_flag=True, help="protocol only, no parameters (very large N)")
 @click.option("--sender", type=click.Choice(["daemon", "pipe"]), default="daemon", show_default=True,
               help="daemon: one ordered queue of pushes and grants per neighbour, each RPC's reply "
@@ -119,7 +121,7 @@ def _outer(mode: str | None, inner_steps: int, round_seconds: float, fragments: 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per algorithm")
 def sim(scen, workers, algos, topology, weighting, params, iterations, compute, straggler, p_slow,
-        slow_factor, bandwidth, latency, sites, inter_site_slowdown, lr, target, hetero, noise, crash,
+        slow_factor, bandwidth, latency, sites, inter_site_slowdown, lr, target, hetero, noise, crash, lose,
         timing_only, sender, outer, inner_steps, round_seconds, fragments, overlap, outer_lr, outer_momentum,
         equal_weights, compress, no_stop, seed, as_json) -> None:
     """Simulate N workers running sync policies; report time to target, iterations, idle, bytes.
@@ -144,7 +146,7 @@ def sim(scen, workers, algos, topology, weighting, params, iterations, compute, 
             spec = SimSpec(n=workers, params=params, iterations=iterations, compute=compute,
                            factors=_pairs(straggler, "FACTOR"), p_slow=p_slow, slow_factor=slow_factor,
                            bandwidth=bw, latency=latency, lr=lr, target=target, hetero=hetero,
-                           noise=noise, crash=_pairs(crash, "TIME"), timing_only=timing_only,
+                           noise=noise, crash=_pairs(crash, "TIME"), lose=lose, timing_only=timing_only,
                            stop_at_target=not no_stop and not timing_only, seed=seed, sender=sender,
                            compress=compress, outer=o)
             records = []

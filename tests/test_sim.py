@@ -99,6 +99,21 @@ def test_table_and_free_form_flags():
     assert bad.exit_code != 0 and "WORKER:FACTOR" in bad.output
 
 
+def test_lossy_links_cost_bytes_not_progress():
+    """--lose: pushes that fail on their way still hold the link; every worker finishes its
+    iterations (the receivers mix without the lost updates) and the bytes sent are the same."""
+    runs = {}
+    for lose in ("0", "0.3"):
+        res = CliRunner().invoke(sim_cmd, ["-a", "d-psgd", "--workers", "6", "--iterations", "40", "--params", "50",
+                                           "--topology", "ring", "--no-stop", "--lose", lose, "--json"])
+        assert res.exit_code == 0, res.output
+        runs[lose] = json.loads(res.output.splitlines()[0])
+    assert runs["0"]["mean_iterations"] == runs["0.3"]["mean_iterations"] == 40 and not runs["0.3"]["stalled"]
+    assert runs["0"]["bytes_sent"] == runs["0.3"]["bytes_sent"]
+    bad = CliRunner().invoke(sim_cmd, ["--lose", "1"])
+    assert bad.exit_code != 0 and "--lose" in bad.output
+
+
 def test_scenario_table_prints_claims():
     res = CliRunner().invoke(sim_cmd, ["--scenario", "straggler", "-a", "d-psgd", "-a", "hop-backup-skip"])
     assert res.exit_code == 0, res.output

@@ -14,7 +14,7 @@ from peerd.sync.events import Mix, MixRequested, Published, UpdateArrived, Updat
 from tests.sync_helpers import random_graph, random_spec, strongly_connected
 
 
-def run_aau(seed, n, crash=None, estimates="arrival", iterations=20):
+def run_aau(seed, n, crash=None, estimates="arrival", iterations=20, lose=0.0):
     topo = random_graph(seed, n)
     pols = [AAU(i, topo) for i in range(n)]
     waited: dict[int, dict[int, tuple[int, ...]]] = defaultdict(dict)
@@ -24,7 +24,7 @@ def run_aau(seed, n, crash=None, estimates="arrival", iterations=20):
         waited[mix.k][i] = mix.waited
 
     spec = random_spec(seed, n, params=8, iterations=iterations, estimates=estimates,
-                       crash=crash or {}, detect=0.5)
+                       crash=crash or {}, detect=0.5, lose=lose)
     sim = Simulator(spec, pols, on_mix=on_mix)
     return sim, sim.run(), waited, topo
 
@@ -39,6 +39,14 @@ def test_waited_edges_strongly_connected_every_iteration(seed, n, measured):
         edges = {(j, i) for i, w in per.items() for j in w}
         assert all(topo.adj[j, i] for j, i in edges)  # only real links
         assert strongly_connected(list(range(n)), edges), (k, per)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(2, 9), lose=st.sampled_from([0.05, 0.3]))
+def test_lost_updates_never_stall_a_worker(seed, n, lose):
+    """Pushes that fail on their way (UpdateLost at the receiver): every worker still finishes."""
+    sim, res, _, _ = run_aau(seed, n, lose=lose)
+    assert not res.stalled and min(res.iterations) >= sim.spec.iterations, res.iterations
 
 
 @settings(max_examples=25, deadline=None)

@@ -20,6 +20,9 @@ Model:
   `coalesce` (the daemon's `train_coalesce_updates`, for a policy that allows it: Hop's backup and
   staleness modes): an update queued while an older one to the same neighbour has not started
   takes its place (same start and arrival), and the older one is never delivered.
+- `lose`: each pushed update fails on its way with that probability (a push cut by its deadline
+  on a slow link): it holds the link as if sent, and its receiver gets UpdateLost instead of the
+  update when it would have arrived (what the daemon's data plane reports).
 - A crashed worker stops at its crash time; messages to it are lost; every other worker gets
   PeerDown after `detect` seconds.
 - A late joiner (`join`: worker -> time) is absent from the start: every policy hears PeerDown for
@@ -45,7 +48,7 @@ from peerd.sim.objective import Quadratic
 from peerd.sim.outer import Outer, OuterSpec, Wire
 from peerd.sync.events import (CURRENT, Average, Drop, Grant, LinkEstimates, Mix, MixRequested,
                                PeerDown, PeerUp, Published, Pull, PullRequested, Send, Skip, Tick, TokensArrived,
-                               UpdateArrived, Wait)
+                               UpdateArrived, UpdateLost, Wait)
 from peerd.sync.policy import Policy
 
 
@@ -72,6 +75,7 @@ class SimSpec:
     max_time: float = math.inf
     eval_every: float = 0.0            # simulated seconds between evaluations (0: compute / 2)
     crash: dict[int, float] = field(default_factory=dict)
+    lose: float = 0.0                  # probability that a pushed update fails on its way
     join: dict[int, float] = field(default_factory=dict)   # late joiners: worker -> time it joins
     detect: float = 0.5                # seconds until PeerDown reaches the others
     timing_only: bool = False
@@ -167,6 +171,9 @@ class Simulator:
         self.wire = Wire(n, spec.params, spec.bytes_per_param, spec.compress)
         self.msg_bytes = self.wire.full
         self.rng = np.random.default_rng(spec.seed + 7919)
+        self.loss_rng = np.random.default_rng(spec.seed + 104729)   # its own: lose=0 runs stay as they were
+        if not 0.0 <= spec.lose < 1.0:
+            raise ValueError(f"lose: a probability in [0, 1), got {spec.lose}")
         self.now = 0.0
         self.heap: list[tuple[float, int, int, int, Any]] = []
         self.seq = 0
@@ -336,7 +343,11 @@ class Simulator:
                     else:
                         at = self._transmit(i, a.dst, self.wire.message(i, a.dst, a.k), queued=not self.serving)
                         start = self.last_start
-                    self._push(at, _DELIVER, a.dst, (UpdateArrived(i, a.k), data))
+                    lose = self.spec.lose
+                    if lose and not self.serving and self.loss_rng.random() < lose:
+                        self._push(at, _DELIVER, a.dst, (UpdateLost(i, a.k), None))
+                    else:
+                        self._push(at, _DELIVER, a.dst, (UpdateArrived(i, a.k), data))
                     if coalesce:
                         self.unsent[(i, a.dst)] = (start, at, self.seq)
             elif t is Mix:

@@ -259,7 +259,8 @@ class Hop(Policy):
         else:
             got = [(j, x) for j in nb if (x := self._newest(j)) >= max(0, k - self.staleness)]
         have = {j for j, _ in got}
-        return got, [j for j in nb if j not in have and not self.excused(j, k)]
+        reach = self.staleness or 0
+        return got, [j for j in nb if j not in have and not self.excused(j, k, reach)]
 
     def _entries(self, k: int, got: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
         """Self first, then the usable updates, with the topology's (not renormalised) weights."""
