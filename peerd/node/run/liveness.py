@@ -162,7 +162,7 @@ class PeerLiveness:
         re-linking of the graph around it, which its other neighbours would not do) and the mix of
         k + 1 waits for its next update."""
         src = self.ctx.rank_of(node)
-        if kind != self.ctx.kind("model") or src < 0 or src == self.ctx.rank or k < self.ctx.policy.k:
+        if kind != self.ctx.kind("model") or src < 0 or src == self.ctx.rank:
             return
         if self.is_waiting(k) and src in self.ctx.policy.waiting.on:
             log.warning("the update of iteration %d from %s failed mid-stream: mixed without it", k, node)
