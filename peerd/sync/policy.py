@@ -126,7 +126,7 @@ class Policy:
         too). `reach`: a mix that takes an update up to `reach` iterations old is excused by one
         lost that far back. Without this a lost update of each of two neighbours waiting on one
         another deadlocks them (found by the simulator's property test with lossy links)."""
-        return self.lost.get(src, -1) >= k - reach
+        return src in self.lost and self.lost[src] >= k - reach
 
     def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
         return []
