@@ -119,7 +119,8 @@ def test_hop_takes_the_update_a_new_neighbour_sent_before_my_own_repair():
     p = Hop(1, T.ring(4), max_ig=4)
     p.on_event(Published(0), 0.0)
     p.on_event(UpdateArrived(0, 0), 0.1)
-    assert p.on_event(UpdateArrived(3, 2), 0.2) == []     # not my in-neighbour yet: kept, not dropped
+    # Not my in-neighbour yet: kept, not dropped; it counts me as its neighbour: it gets my newest.
+    assert p.on_event(UpdateArrived(3, 2), 0.2) == [Send(3, 0)]
     assert not any(isinstance(a, Mix) for a in p.on_event(MixRequested(0), 0.3))   # waits for 2
     mix = next(a for a in p.on_event(PeerDown(2), 2.0) if isinstance(a, Mix))
     assert {(s, k) for s, k, _ in mix.entries} == {(1, 0), (0, 0), (3, 2)}
@@ -130,12 +131,28 @@ def test_hop_keeps_one_update_of_a_worker_not_yet_its_neighbour():
     once a repair (or a mix past them) says they can never be used."""
     p = Hop(1, T.ring(5), max_ig=4)
     p.on_event(Published(0), 0.0)
-    assert p.on_event(UpdateArrived(3, 1), 0.1) == []
+    assert p.on_event(UpdateArrived(3, 1), 0.1) == [Send(3, 0)]
     assert p.on_event(UpdateArrived(3, 2), 0.2) == [Drop(3, 1)]
     assert p.on_event(UpdateArrived(3, 1), 0.3) == [Drop(3, 1)]     # older than the one kept
     assert p.held[3] == {2}
     out = p.on_event(PeerDown(4), 0.4)                  # repaired: 3 is still not my in-neighbour
     assert Drop(3, 2) in out and not p.held[3]
+
+
+def test_hop_answers_a_worker_that_counts_it_as_its_neighbour():
+    """Ring 0-1-2-3-4: 0 finds 1 dead and re-links to 2, which still counts 1 alive (dead sets
+    differ for a while during churn). 0 waits for 2's updates, which 2 sends only to its own
+    neighbours: 2 answers 0's update with its newest, sends 0 its next ones while 0 keeps sending
+    to it, and stops a few iterations after 0 no longer does (0's view healed)."""
+    p = Hop(2, T.ring(5), max_ig=None)
+    assert p.on_event(Published(0), 0.0) == [Send(1, 0), Send(3, 0)]
+    assert p.on_event(UpdateArrived(0, 0), 0.1) == [Send(0, 0)]
+    p.on_event(UpdateArrived(1, 0), 0.2)
+    p.on_event(UpdateArrived(3, 0), 0.2)
+    mix = next(a for a in p.on_event(MixRequested(0), 0.3) if isinstance(a, Mix))
+    assert {s for s, _, _ in mix.entries} == {1, 2, 3}          # 0 is not my neighbour: not mixed
+    sent = [sorted(a.dst for a in p.on_event(Published(k), 1.0 + k) if isinstance(a, Send)) for k in (1, 2, 3)]
+    assert sent == [[0, 1, 3], [0, 1, 3], [1, 3]]
 
 
 def test_aau_takes_the_update_a_new_neighbour_sent_before_my_own_repair():
