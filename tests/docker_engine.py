@@ -366,6 +366,7 @@ class Engine:
         self.tools: dict[str, str] = {}
         self.timings: dict[str, float] = {}
         self.bridges: set[str] = set()
+        self.base = ""                              # the imported base image's tag (import_base)
 
     # -- life cycle
     def start(self) -> "Engine":
@@ -467,6 +468,7 @@ class Engine:
             tarball.unlink(missing_ok=True)      # a damaged cache: make it again, once
             return self.import_base(log)
         self.timings["base_import_s"] = time.monotonic() - t0
+        self.base = tag
         return tag
 
     def build_image(self, base: str, log) -> None:

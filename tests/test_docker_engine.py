@@ -253,8 +253,9 @@ def test_host_file_runs_on_the_host_network_with_its_advertise_address_and_secre
 def test_gpu_files_load_into_the_engine(engine, secret, files, service):
     """The engine takes the GPU reservation as a device request for the nvidia driver (all GPUs,
     or PEERD_GPUS of them); starting it needs the NVIDIA Container Toolkit, which this machine
-    lacks, and the engine says so."""
-    env = {"PEERD_SECRET_FILE": str(secret), "PEERD_GPUS": "1"}
+    lacks, and the engine says so. The container is made from the small base image: the device
+    request does not depend on the image, and on vfs each container is a copy of its image."""
+    env = {"PEERD_SECRET_FILE": str(secret), "PEERD_GPUS": "1", "PEERD_IMAGE": engine.base}
     project = Project(engine, f"peerd-gpu-{os.getpid()}", list(files), env)
     try:
         project.compose("create", "--no-build", "--pull", "never", service)
