@@ -139,12 +139,14 @@ def test_hop_keeps_one_update_of_a_worker_not_yet_its_neighbour():
     assert Drop(3, 2) in out and not p.held[3]
 
 
-def test_hop_answers_a_worker_that_counts_it_as_its_neighbour():
+@pytest.mark.parametrize("algo", ["hop", "aau"])
+def test_a_worker_that_counts_me_as_its_neighbour_gets_my_updates(algo):
     """Ring 0-1-2-3-4: 0 finds 1 dead and re-links to 2, which still counts 1 alive (dead sets
     differ for a while during churn). 0 waits for 2's updates, which 2 sends only to its own
     neighbours: 2 answers 0's update with its newest, sends 0 its next ones while 0 keeps sending
     to it, and stops a few iterations after 0 no longer does (0's view healed)."""
-    p = Hop(2, T.ring(5), max_ig=None)
+    from peerd.sync.aau import AAU
+    p = Hop(2, T.ring(5), max_ig=None) if algo == "hop" else AAU(2, T.ring(5))
     assert p.on_event(Published(0), 0.0) == [Send(1, 0), Send(3, 0)]
     assert p.on_event(UpdateArrived(0, 0), 0.1) == [Send(0, 0)]
     p.on_event(UpdateArrived(1, 0), 0.2)
@@ -163,7 +165,8 @@ def test_aau_takes_the_update_a_new_neighbour_sent_before_my_own_repair():
     p = AAU(1, T.ring(5))
     p.on_event(Published(0), 0.0)
     p.on_event(UpdateArrived(0, 0), 0.1)
-    assert p.on_event(UpdateArrived(3, 2), 0.2) == []     # not my neighbour yet: kept, not dropped
+    # Not my neighbour yet: kept, not dropped; it counts me as its neighbour: it gets my newest.
+    assert p.on_event(UpdateArrived(3, 2), 0.2) == [Send(3, 0)]
     assert p.on_event(UpdateArrived(3, 1), 0.25) == [Drop(3, 1)]   # older than the one kept
     assert not any(isinstance(a, Mix) for a in p.on_event(MixRequested(0), 0.3))   # waits for 2
     mix = next(a for a in p.on_event(PeerDown(2), 2.0) if isinstance(a, Mix))

@@ -118,7 +118,8 @@ class AAU(Policy):
 
     def on_published(self, ev: Published, now: float) -> list[Action]:
         self.k = ev.k
-        return self.sends([j for j in self.nb if j not in self.dead], ev.k)
+        outs = [j for j in self.nb if j not in self.dead]
+        return self.sends(outs + self.counting_me(outs, 2), ev.k)   # tree neighbours are an iteration apart
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         self.want = ev.k
@@ -129,6 +130,7 @@ class AAU(Policy):
             return [Drop(ev.src, ev.k)]
         if ev.src not in self.nb:
             return self._hold_early_edge(ev.src, ev.k)
+        self.counted_by.pop(ev.src, None)   # our views of the graph agree again
         self.held.setdefault(ev.src, set()).add(ev.k)
         return self._try(now)
 
@@ -137,11 +139,13 @@ class AAU(Policy):
         dead worker before I did and sent me its newest update when the edge appeared on its side
         (as in Hop). Dropped, it was never sent again, and when j was ahead and waited on me as a
         tree neighbour, each waited for the other's next update until the silent-peer timeout. Its
-        newest one is kept (no mix uses it while j is not my neighbour; my repair keeps it)."""
+        newest one is kept (no mix uses it while j is not my neighbour; my repair keeps it). The
+        other way round, j counts me as its neighbour: it gets my updates (Policy.answer_out_of_edge)."""
+        out: list[Action] = list(self.answer_out_of_edge(j, k, [x for x in self.nb if x not in self.dead]))
         h = self.held.setdefault(j, set())
         if k <= self.mixed or k <= max(h, default=-1):
-            return [Drop(j, k)]
-        out: list[Action] = [Drop(j, x) for x in sorted(h)]
+            return out + [Drop(j, k)]
+        out += [Drop(j, x) for x in sorted(h)]
         h.clear()
         h.add(k)
         return out

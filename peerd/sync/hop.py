@@ -104,7 +104,6 @@ class Hop(Policy):
         self.max_skip = max_skip
         self.held: dict[int, set[int]] = {}     # src -> iterations in hand
         self.seen: dict[int, int] = {}          # src -> newest tag ever received
-        self.counted_by: dict[int, int] = {}    # not my out-neighbour, sends to me: its newest tag (see _hold_early_edge)
         self.granted: dict[int, int] = {}       # tokens received from j (edge me -> j)
         self.spent: dict[int, int] = {}         # tokens spent on edge me -> j
         self.want = -1                           # iteration whose mix was requested, not yet given
@@ -150,7 +149,8 @@ class Hop(Policy):
             raise ValueError(f"Published: iteration {ev.k} after {self.k}")
         self.k = ev.k
         outs = self.live_out(ev.k)
-        return self.sends(outs + self._counting_me(outs), ev.k)
+        # Within the gap a token queue allows, and one iteration more.
+        return self.sends(outs + self.counting_me(outs, (self.max_ig or 1) + 1), ev.k)
 
     def on_mix_requested(self, ev: MixRequested, now: float) -> list[Action]:
         if ev.k != self.k:
@@ -188,32 +188,16 @@ class Hop(Policy):
         nothing more before my next update, which waited on its one (a deadlock until the silent-
         peer timeout). So its newest such update is kept (one per sender, freed like any other)
         and its tag counts, as if the edge had been there; no mix uses it while j is not my
-        in-neighbour.
-
-        The other way round: j counts me as its neighbour and waits for my updates, which I send
-        only to my own out-neighbours (during churn two hosts' dead sets differ for a while, so do
-        their repaired graphs). So j gets my newest now and my next ones while it keeps sending to
-        me (`counted_by`); without this it waited out the silent-peer timeout (a chaos run: 7.8 s
-        at one iteration while the two were a hop apart in its view and two in mine)."""
+        in-neighbour. The other way round, j counts me as its neighbour: it gets my updates
+        (Policy.answer_out_of_edge)."""
         self.seen[j] = max(self.seen.get(j, -1), k)
-        self.counted_by[j] = max(self.counted_by.get(j, -1), k)
-        out: list[Action] = []
-        if self.k >= 0 and j not in self.live_out(self.k):
-            out += self.sends([j], self.k)
+        out: list[Action] = list(self.answer_out_of_edge(j, k, self.live_out(max(self.k, 0))))
         h = self.held.setdefault(j, set())
         if k <= self.mixed or k <= self._newest(j):
             return out + [Drop(j, k)]
         self._drop(j, sorted(x for x in h if j not in self.topo.in_neighbors(self.me, x)), out)
         h.add(k)
         return out
-
-    def _counting_me(self, outs: list[int]) -> list[int]:
-        """Workers outside `outs` that count me as their neighbour and sent me an update lately
-        (within the gap a token queue allows, one iteration without them): they get my updates."""
-        lag = (self.max_ig or 1) + 1
-        for j in [j for j, kj in self.counted_by.items() if j in self.dead or j in outs or self.k - kj > lag]:
-            del self.counted_by[j]
-        return sorted(self.counted_by)
 
     def on_tokens(self, ev: TokensArrived, now: float) -> list[Action]:
         self.granted[ev.src] = self.granted.get(ev.src, 0) + ev.n
@@ -223,7 +207,6 @@ class Hop(Policy):
         return self._try(now)
 
     def on_peer_down(self, ev: PeerDown, now: float) -> list[Action]:
-        self.counted_by.pop(ev.peer, None)
         out: list[Action] = []
         self._drop(ev.peer, sorted(self.held.get(ev.peer, ())), out)
         return out + self._retopo() + self._try(now)
