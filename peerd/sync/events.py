@@ -66,9 +66,10 @@ class PullFailed:
 @dataclass(frozen=True, slots=True)
 class UpdateLost:
     """`src`'s update of iteration k will not come: it failed on its way (cut by its deadline on a
-    slow link, stalled) and its sender does not send it again. The mix of k does not wait for it;
-    `src` stays a neighbour and is waited on again from iteration k + 1 (unlike PeerDown, which
-    re-links the graph around it: one host's loss is not its neighbours' view)."""
+    slow link, stalled) and its sender does not send it again. The mix of k (or of an earlier
+    iteration: links are FIFO) does not wait for it; `src` stays a neighbour and is waited on again
+    from iteration k + 1 (unlike PeerDown, which re-links the graph around it: one host's loss is
+    not its neighbours' view). See Policy.excused."""
     src: int
     k: int
 
