@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 
 import grpc
@@ -272,7 +273,8 @@ class Daemon:
             # own (its own window): daemons on this host dial 127.0.0.1, and the more specific
             # socket takes those connections. (gRPC listens dual-stack on a wildcard where it can.)
             self._loopback_server = loop = self._new_server(True)
-            v4, v6 = _try_bind(loop, f"127.0.0.1:{bound}"), _try_bind(loop, f"[::1]:{bound}")
+            v4 = _try_bind(loop, f"127.0.0.1:{bound}")
+            v6 = _try_bind(loop, f"[::1]:{bound}") if has_ipv6_loopback() else 0
             if not (v4 or v6):
                 self._loopback_server = None
                 log.warning("could not also listen in plaintext on 127.0.0.1:%d: daemons on this host must dial "
@@ -452,6 +454,18 @@ class Daemon:
                                suspect_events=self.members.suspect_events,
                                metrics_url=self.metrics.url if self.metrics is not None else "",
                                **self.tunnels.status())
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether ::1 exists here. Where it does not (a container without IPv6), grpc's own bind
+    attempt prints an error line at every daemon start ("Failed to add port ... [::1]") before it
+    fails; a plain socket asks quietly."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def _try_bind(server: grpc.aio.Server, address: str) -> int:
