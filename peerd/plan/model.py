@@ -643,6 +643,7 @@ def _rows(n: int) -> list[tuple[str, str]]:
     """Every (algorithm, topology) `peerd plan` considers for n hosts: the registry's planned
     algorithms on each topology they support, those with a graph of their own last."""
     rows, fixed = [], []
+    distinct = _distinct_topologies(n)
     for algo in registry.ALGORITHMS.values():
         if not algo.planned:
             continue
@@ -651,12 +652,31 @@ def _rows(n: int) -> list[tuple[str, str]]:
             if topo is not None and n > 1 and algo.policy.unsupported(topo) is None:
                 fixed.append((algo.name, algo.topology))
             continue
-        for t in TOPOLOGIES:
-            topo = make_topology(t, n)
-            if topo is not None and algo.policy.unsupported(topo) is None:
+        for t, topo in distinct.items():
+            if algo.policy.unsupported(topo) is None:
                 rows.append((algo.name, t))
     rows.sort(key=lambda r: TOPOLOGIES.index(r[1]))     # by topology, each in the registry's order
     return rows + fixed
+
+
+def _distinct_topologies(n: int) -> dict[str, Topology]:
+    """TOPOLOGIES that n allows, each graph once under its first name: on 2 hosts the ring, the
+    one-peer exponential graph, the alternating exponential ring and the complete graph are one
+    graph (on 3, the ring and the complete graph), and rows that differ only in the name would be
+    decided by noise in the measured links."""
+    out: dict[str, Topology] = {}
+    for t in TOPOLOGIES:
+        topo = make_topology(t, n)
+        if topo is not None and not any(_same_graph(topo, u) for u in out.values()):
+            out[t] = topo
+    return out
+
+
+def _same_graph(a: Topology, b: Topology) -> bool:
+    """The same mixing matrix at every iteration."""
+    if a.n != b.n or a.directed != b.directed:
+        return False
+    return all(np.allclose(a.matrix(k), b.matrix(k)) for k in range(math.lcm(a.period, b.period)))
 
 
 def connected(n: int, edges: Iterable[tuple[int, int]]) -> bool:
