@@ -27,8 +27,8 @@ def swarm(daemons, n: int, prefix: str, extra: list[str] = ()):
     return ds
 
 
-def start_train(d, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", *args),
+def start_train(d, *args: str, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen(peerd_cmd("train", "--data-dir", str(d.data_dir), "--json", *args), cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -183,7 +183,8 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
 
 
 def test_readme_user_script_trains_through_the_daemons(daemons):
-    """The README's `peerd train --script examples/my_script.py` runs as written, on two hosts."""
+    """The README's `peerd train --script examples/my_script.py` runs on two hosts, the script's
+    path relative to where `peerd train` runs (here examples/, not the daemons' directory)."""
     import re
     from pathlib import Path
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -191,7 +192,10 @@ def test_readme_user_script_trains_through_the_daemons(daemons):
     assert "peerd train --script examples/my_script.py" in readme
     assert script.read_text().split('"""', 2)[2].strip() in readme.replace("```python\n", "")
     ds = swarm(daemons, 2, "u")
-    procs = [start_train(d, "--script", str(script), "--world", "2") for d in ds]
+    missing = start_train(ds[0], "--script", "no_such_script.py", "--world", "2", cwd=script.parent)
+    _, err = missing.communicate(timeout=60)
+    assert missing.returncode != 0 and "'no_such_script.py' is not a file" in err, err
+    procs = [start_train(d, "--script", script.name, "--world", "2", cwd=script.parent) for d in ds]
     runs = finish(procs)
     for d, records in zip(ds, runs):
         assert records[-1]["state"] == "done"

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ class RunSpec:
         if r.options.get("budget", "host") not in ("host", "swarm"):
             raise RunError(f"budget: expected host or swarm, got {clip(r.options['budget'])}")
         _check_options(r.options)
+        _check_script(r)
         max_world = r.max_world or default_max_world or r.world
         if max_world < r.world:
             raise RunError(f"max-world: {max_world} is below world {r.world}")
@@ -84,6 +86,20 @@ class RunSpec:
     def swarm_budget(self) -> bool:
         """--budget swarm: the iterations are a budget for the run's hosts together."""
         return self.options.get("budget", "host") == "swarm"
+
+
+def _check_script(r: cpb.TrainRequest) -> None:
+    """The directory `peerd train` ran in exists here, and so does the script it names (found
+    from there): a wrong path is an error now, not a trainer that crashes at every restart."""
+    if not r.script:
+        return
+    cwd = r.options.get("cwd")
+    if cwd is not None and not (os.path.isabs(cwd) and os.path.isdir(cwd)):
+        raise RunError(f"cwd: {clip(cwd)} is not a directory on this host (peerd train runs the script "
+                       f"from the directory it was started in)")
+    first = r.script[0]
+    if not first.startswith("-") and not os.path.isfile(os.path.join(cwd or os.getcwd(), first)):
+        raise RunError(f"script: {clip(first)} is not a file (looked for in {clip(cwd or os.getcwd())})")
 
 
 def _check_strings(r: cpb.TrainRequest) -> None:
@@ -123,9 +139,11 @@ def _check_options(options) -> None:
 
 
 PER_HOST = ("slowdown", "join_timeout")   # spec fields each host may set for itself
-# options each host may set for itself: its device, and where its copy of the --init file lies
-# (the file's sha256, init_sha256, is shared: every host starts from the same weights)
-PER_HOST_OPTIONS = ("device", "init")
+# options each host may set for itself: its device, where its copy of the --init file lies (the
+# file's sha256, init_sha256, is shared: every host starts from the same weights), and the
+# directory `peerd train` ran in, where a --script's relative paths start (each host's clone may
+# lie elsewhere)
+PER_HOST_OPTIONS = ("device", "init", "cwd")
 
 
 def shared_spec(spec: RunSpec) -> dict[str, Any]:

@@ -55,6 +55,11 @@ class TrainerSupervisor:
             argv.append("--trace")
         return argv
 
+    def cwd(self) -> str | None:
+        """A script runs where `peerd train` ran (its relative paths are the user's); a built-in
+        trainer where the daemon runs."""
+        return self.ctx.spec.options.get("cwd") if self.ctx.spec.script else None
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         rank, world = self.ctx.data_shard()
@@ -83,7 +88,7 @@ class TrainerSupervisor:
                 # Its own process group: Ctrl+C at the daemon's terminal reaches the daemon only,
                 # which stops the trainer in order (a trainer killed first looked like a crash).
                 self.process = subprocess.Popen(self.argv(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, process_group=0)
+                                                stdin=subprocess.DEVNULL, process_group=0, cwd=self.cwd())
                 log.info("trainer pid %d started (rank %d of %d, %s, %s); log %s", self.process.pid,
                          self.ctx.rank, self.ctx.n, self.ctx.spec.algorithm,
                          self.ctx.spec.task or " ".join(self.ctx.spec.script), log_path)
