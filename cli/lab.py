@@ -50,9 +50,11 @@ def lab() -> None:
 @lab.command()
 def profiles() -> None:
     """List the shipped profiles."""
-    for name in profile_mod.shipped():
+    names = profile_mod.shipped()
+    width = max(map(len, names), default=0)
+    for name in names:
         p = profile_mod.load(name)
-        click.echo(f"{name:<12} {len(p.hosts)} hosts  {p.description}")
+        click.echo(f"{name:<{width}}  {len(p.hosts)} hosts  {p.description}")
 
 
 @lab.command()

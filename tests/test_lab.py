@@ -303,9 +303,10 @@ def test_daemons_form_a_swarm_and_carry_their_slowdown(make_lab):
             break
         time.sleep(0.3)
     assert seen == want
+    # As `sudo .venv/bin/peerd lab exec h2 -- peerd peers` runs it: sudo's secure_path has no venv.
+    sudo_path = {**ENV, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
     inside = subprocess.run([sys.executable, "-m", "cli.main", "lab", "exec", "--dir", str(lb.dir), "h2", "--",
-                             sys.executable, "-m", "cli.main", "peers", "--json"],
-                            capture_output=True, text=True, env=ENV, timeout=30)
+                             "peerd", "peers", "--json"], capture_output=True, text=True, env=sudo_path, timeout=30)
     assert {p["address"] for p in json.loads(inside.stdout)} == want["h2"], inside.stderr
     for h in lb.hosts:
         environ = Path(f"/proc/{st['hosts'][h]['daemon_pid']}/environ").read_bytes().split(b"\0")

@@ -176,7 +176,7 @@ def peerd_argv(line: str) -> list[str] | None:
             break
     if argv[:1] == ["sudo"]:
         argv = argv[1:]
-    return argv[1:] if argv[:1] == ["peerd"] else None
+    return argv[1:] if argv[:1] in (["peerd"], [".venv/bin/peerd"]) else None
 
 
 # --- the README as a whole ---------------------------------------------------------------------

@@ -552,11 +552,14 @@ class Lab:
 
     def exec_argv(self, host: str, argv: list[str]) -> list[str]:
         """argv run inside `host`'s namespace with its PEERD_SLOWDOWN, PEERD_DATA_DIR set to its
-        daemon's data dir (so `peerd status` there talks to that daemon) and the lab's code on
-        PYTHONPATH."""
+        daemon's data dir (so `peerd status` there talks to that daemon), the lab's code on
+        PYTHONPATH and this Python's bin directory first on PATH (`sudo` resets PATH: `peerd` there
+        is the venv's)."""
         env = _child_env()
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", os.defpath)])
         return ["ip", "netns", "exec", self.ns(host), "env", f"PEERD_SLOWDOWN={self.slowdown(host):g}",
-                f"PEERD_DATA_DIR={self._host(host)['data_dir']}", f"PYTHONPATH={env['PYTHONPATH']}", *argv]
+                f"PEERD_DATA_DIR={self._host(host)['data_dir']}", f"PYTHONPATH={env['PYTHONPATH']}",
+                f"PATH={path}", *argv]
 
     def run(self, host: str, argv: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.exec_argv(host, argv), timeout=timeout, capture_output=True, text=True, **kw)
