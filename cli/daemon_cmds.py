@@ -35,7 +35,7 @@ def config_options(fn):
             help_text += f"  [env PEERD_{key.upper()}]"
         kwargs: dict = {"default": None, "help": help_text, "hidden": not s.metadata.get("common")}
         if isinstance(default, tuple):
-            kwargs.update(multiple=True, default=(), metavar="HOST:PORT")
+            kwargs.update(multiple=True, default=(), metavar=s.metadata.get("metavar", "HOST:PORT"))
         elif isinstance(default, bool):
             kwargs.update(is_flag=True)
         elif isinstance(default, int):

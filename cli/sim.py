@@ -79,7 +79,8 @@ def _outer(mode: str | None, inner_steps: int, round_seconds: float, fragments: 
 @click.option("--algorithm", "-a", "algos", multiple=True, type=click.Choice(list(registry.ALGORITHMS)),
               help="algorithm to run (repeatable; default: all for a scenario, else Config.sync_algorithm)")
 @click.option("--topology", default=None, help="ring, torus, complete, exp, exp-directed, aer (default: Config.sync_topology)")
-@click.option("--weighting", type=click.Choice(["uniform", "mh"]), default="uniform", show_default=True)
+@click.option("--weighting", type=click.Choice(["uniform", "mh"]), default=None,
+              help="mixing weights (default: Config.sync_weighting)")
 @click.option("--params", type=int, default=1000, show_default=True, help="model size (parameters)")
 @click.option("--iterations", type=int, default=200, show_default=True, help="iterations per worker")
 @click.option("--compute", type=float, default=0.1, show_default=True, help="seconds per gradient")
@@ -152,7 +153,7 @@ def sim(scen, workers, algos, topology, weighting, params, iterations, compute, 
             records = []
             for a in algos or (cfg.sync.algorithm,):
                 topo = topology or cfg.sync.topology
-                r = run(a, spec, topo, weighting=weighting, **registry.options(cfg, a))
+                r = run(a, spec, topo, weighting=weighting or cfg.sync.weighting, **registry.options(cfg, a))
                 records.append(r.record() | {"label": label(a, topo, o, compress)})
             checks = []
     except ValueError as e:

@@ -36,7 +36,8 @@ def default_data_dir() -> str:
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A setting: its default, its help text, and options: `key` (its flat name, when not the
     section's prefix + the field name), `flag` (the CLI flag's name), `choices`, `common` (shown
-    by `peerd up --help`; the rest by --help-all)."""
+    by `peerd up --help`; the rest by --help-all), `metavar` (a list's item in --help; default
+    HOST:PORT)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -160,7 +161,8 @@ class MdnsConfig:
                             "every interface with IPv4 except those matching mdns_skip_interfaces, "
                             "which are used only when nothing else exists", key='interface', common=True)
     skip_interfaces: tuple[str, ...] = _f(("lo", "docker*", "br-*", "veth*"),
-                                               "interface name patterns mDNS avoids by default (fnmatch)")
+                                               "interface name patterns mDNS avoids by default (fnmatch)",
+                                               metavar="PATTERN")
     register_timeout: float = _f(10.0, "seconds to probe for and announce our service name")
     resolve_timeout: float = _f(3.0, "seconds to resolve one announced service (SRV, TXT, addresses)")
     stop_timeout: float = _f(2.0, "seconds spent sending the goodbye and closing mDNS at shutdown")
@@ -361,15 +363,16 @@ class TrainConfig:
 
 @dataclass
 class SyncConfig:
-    """Sync algorithms (peerd/sync; read by the daemon and by `peerd sim`)."""
+    """Sync algorithms (peerd/sync). A run's algorithm and graph are `peerd train --algo` and
+    `--topology`; the algorithms' options below are the daemon's defaults for its runs."""
     PREFIX: ClassVar[str] = 'sync_'
     SCOPE: ClassVar[str] = 'daemon'
-    algorithm: str = _f("hop-backup-skip", "sync algorithm: d-psgd, hop, hop-backup, hop-staleness, "
+    algorithm: str = _f("hop-backup-skip", "`peerd sim`'s algorithm when none is named (a run's is peerd train --algo): d-psgd, hop, hop-backup, hop-staleness, "
                                                 "hop-backup-skip, hop-staleness-skip, aau, netmax, "
                                                 "netmax-uniform, netmax-inv, netmax-invsqrt, ad-psgd, sgp")
-    topology: str = _f("ring", "graph: ring, torus, complete, exp, exp-directed, aer, links",
+    topology: str = _f("ring", "`peerd sim`'s graph when none is named (a run's is peerd train --topology): ring, torus, complete, exp, exp-directed, aer, links",
                             choices=("ring", "torus", "complete", "exp", "exp-directed", "aer", "links"))
-    weighting: str = _f("uniform", "mixing weights: uniform or mh (Metropolis-Hastings)",
+    weighting: str = _f("uniform", "`peerd sim`'s mixing weights: uniform or mh (Metropolis-Hastings)",
                              choices=("uniform", "mh"))
     hop_max_ig: int = _f(4, "Hop: most iterations a sender may run ahead of a receiver (initial tokens per edge)", key='hop_max_ig')
     hop_backup: int = _f(1, "Hop: in-neighbours not waited for in each iteration (backup workers)", key='hop_backup')

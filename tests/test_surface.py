@@ -181,6 +181,8 @@ def test_metrics_live_view_and_top_during_a_training_run(daemons):
     assert not missing, f"docs/grafana-dashboard.json queries metrics the daemon does not export: {missing}"
     info = [labels for (name, labels) in samples if name == "peerd_run_info"]
     assert info and dict(info[0])["algorithm"] == "hop" and dict(info[0])["rank"] in ("0", "1")
+    node_info = dict(next(labels for (name, labels) in samples if name == "peerd_info"))
+    assert (node_info["tls"], node_info["tls_mode"]) == ("false", "auto"), node_info  # --tls auto, on loopback
 
     # peerd top: this host, its run, the peer with its own iteration, the matrix
     assert top.returncode == 0, top.stderr

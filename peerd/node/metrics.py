@@ -148,7 +148,7 @@ def node_families(d: Daemon, now: float) -> Iterable[Metric]:
     info = InfoMetricFamily("peerd", "this daemon: node id, peer address, run id, versions, event loop")
     info.add_metric([], {"node_id": d.me.node_id, "address": d.me.address, "run_id": d.cfg.node.run_id,
                          "version": __version__, "protocol": str(PROTOCOL_VERSION),
-                         "incarnation": str(d.me.incarnation), "tls": str(bool(d.cfg.node.tls_cert)).lower()})
+                         "incarnation": str(d.me.incarnation), "tls": str(bool(d.tls_on)).lower(), "tls_mode": d.cfg.auth.tls})
     yield info
     yield _gauge("peerd_uptime_seconds", "seconds since the daemon started", now - d.started_mono)
     gate = d.gate.state()
