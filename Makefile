@@ -3,16 +3,20 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-# The CPU build of torch is the default here; a GPU user installs a CUDA build into the venv first
-# (docs/getting-started.md, "GPU hosts"), and pip keeps it because it satisfies pyproject's range.
+# torch 2.13.0 by default: on our CI and dev machines pip takes its CPU build from local disk. From
+# PyPI, Linux x86_64 torch is a CUDA build (several GB): a CPU-only host elsewhere takes it from
+# PyTorch's CPU index, `make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`. A GPU user
+# installs a CUDA build into the venv first (docs/getting-started.md, "GPU hosts"), and pip keeps it
+# because it satisfies pyproject's range.
 TORCH  ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 
 .PHONY: venv test test-fast test-tools test-docker test-gpu demo proto proto-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
