@@ -126,7 +126,7 @@ def dockerfile_exec_form(instruction: str) -> list[str]:
 
 
 def dockerfile_args() -> set[str]:
-    return {rest.split("=")[0].strip() for word, rest in dockerfile_instructions() if word == "ARG"}
+    return {arg.split("=")[0] for word, rest in dockerfile_instructions() if word == "ARG" for arg in rest.split()}
 
 
 # --- the peerd CLI ----------------------------------------------------------------------------
