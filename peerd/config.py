@@ -367,11 +367,13 @@ class SyncConfig:
     `--topology`; the algorithms' options below are the daemon's defaults for its runs."""
     PREFIX: ClassVar[str] = 'sync_'
     SCOPE: ClassVar[str] = 'daemon'
-    algorithm: str = _f("hop-backup-skip", "`peerd sim`'s algorithm when none is named (a run's is peerd train --algo): d-psgd, hop, hop-backup, hop-staleness, "
-                                                "hop-backup-skip, hop-staleness-skip, aau, netmax, "
-                                                "netmax-uniform, netmax-inv, netmax-invsqrt, ad-psgd, sgp")
-    topology: str = _f("ring", "`peerd sim`'s graph when none is named (a run's is peerd train --topology): ring, torus, complete, exp, exp-directed, aer, links",
-                            choices=("ring", "torus", "complete", "exp", "exp-directed", "aer", "links"))
+    algorithm: str = _f("hop-backup-skip", "`peerd sim`'s algorithm when none is named (a run's is "
+                                           "peerd train --algo): d-psgd, hop, hop-backup, hop-staleness, "
+                                           "hop-backup-skip, hop-staleness-skip, aau, netmax, "
+                                           "netmax-uniform, netmax-inv, netmax-invsqrt, ad-psgd, sgp")
+    topology: str = _f("ring", "`peerd sim`'s graph when none is named (a run's is peerd train --topology): "
+                               "ring, torus, complete, exp, exp-directed, aer, links",
+                       choices=("ring", "torus", "complete", "exp", "exp-directed", "aer", "links"))
     weighting: str = _f("uniform", "`peerd sim`'s mixing weights: uniform or mh (Metropolis-Hastings)",
                              choices=("uniform", "mh"))
     hop_max_ig: int = _f(4, "Hop: most iterations a sender may run ahead of a receiver (initial tokens per edge)", key='hop_max_ig')
