@@ -26,8 +26,9 @@ from cli.live import bits_per_byte, make_view, plain_line
                    "part of the run's options, so a host with another file is refused)")
 @click.option("--device", default="auto", show_default=True,
               help="where this host's trainer computes: auto (CUDA when present), cpu, cuda, cuda:N")
-@click.option("--script", multiple=True, help="run your own script instead (it calls peerd.train.attach()); "
-                                              "repeat for its arguments")
+@click.option("--script", multiple=True, help="run your own script instead (it calls peerd.train.attach()), "
+                                              "with the daemon's Python, in this directory; repeat for its "
+                                              "arguments")
 @click.option("--algo", "algorithm", default="hop", show_default=True,
               help="hop, hop-backup, hop-staleness, hop-backup-skip, hop-staleness-skip, d-psgd (dpsgd), "
                    "ad-psgd (adpsgd), sgp, aau, netmax, ...; auto: the daemon picks algorithm and topology "
