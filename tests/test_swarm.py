@@ -122,6 +122,17 @@ def test_second_daemon_on_same_data_dir_is_refused_clearly(daemons):
     assert d.status() is not None
 
 
+def test_second_daemon_on_a_port_in_use_is_refused_clearly(daemons):
+    """gRPC binds with SO_REUSEPORT: without a check the second daemon listened too, and the
+    kernel dealt connections between the two."""
+    d = daemons("port1")
+    other = daemons("port2", extra=["--listen", d.address], start=False)
+    other.start()
+    assert other.proc.wait(timeout=15) == 2
+    assert f"cannot listen on {d.address}: address already in use" in other.read_log()
+    assert d.status() is not None
+
+
 def test_ipv6_loopback_peers_gossip_dialable_addresses(daemons):
     a = daemons("v6a", extra=["--listen", "[::1]:0"])
     b = daemons("v6b", seeds=[a.address], extra=["--listen", "0.0.0.0:0"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -259,6 +260,9 @@ class Daemon:
         n = self.cfg.node
         host, port = split_host_port(n.listen, allow_zero=True)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if port and (held := port_held(host, port)):
+            raise StartupError(f"cannot listen on {n.listen}: {held} (another peerd, or another program, "
+                               f"listens there: `ss -ltnp sport = :{port}` names it)")
         self.tls_on = self.tls.wanted(host)
         self._server = server = self._new_server(not self.tls_on and is_loopback_host(host))
         try:
@@ -466,6 +470,25 @@ def has_ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+def port_held(host: str, port: int) -> str:
+    """Why `host:port` cannot be ours ("" when it can). gRPC binds with SO_REUSEPORT, so a second
+    daemon of the same user on a port in use would bind too, and the kernel would deal the
+    connections between the two; a plain socket (no SO_REUSEPORT) is refused while anyone holds
+    the port. Errors other than "in use" are left to gRPC's own bind."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return ""
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "address already in use"
+    return ""
 
 
 def _try_bind(server: grpc.aio.Server, address: str) -> int:
