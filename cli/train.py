@@ -91,8 +91,9 @@ def train(task, model_size, context, eval_tokens, batch_size, init_path, device,
           no_progress, progress_every, data_dir, **low_comm) -> None:
     """Train together with the other hosts: run this on each host of the run with the same options.
 
-    The local daemon waits until the run's world is present, starts the trainer (restarting it from
-    its checkpoint if it crashes), drives the chosen sync algorithm and reports progress here: on a
+    The local daemon waits until WORLD hosts run `peerd train` with these options, starts the
+    trainer (restarting it from its checkpoint if it crashes), drives the chosen sync algorithm
+    and reports progress here: on a
     terminal a progress bar (ETA, loss, evaluation, it/s) and a line per peer (state, iteration gap,
     link rates); plain lines otherwise. It exits 0 when the run is done, 3 when it ended "degraded"
     (this host mixed without its neighbours most of the time), 1 when it failed. Ctrl+C stops this

@@ -3,6 +3,7 @@ difference named, and the member-table rule that keeps two joiners off one rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from peerd.node.run.joining import give_back, take
 from peerd.node.run.spec import RunSpec, first_difference, run_tag, shared_spec
@@ -107,26 +108,76 @@ def test_every_founder_forms_the_run_in_the_first_founders_ranks(monkeypatch):
                                      link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": list(links)}))
     hosts = {n: daemon(n, Config()) for n in access}
 
+    asking = {}                                           # node -> the spec its `peerd train` asks for
+
     async def describe(asker, node, founders=None, algorithm=""):      # DescribeRun, answered in-process
         host = hosts[node]
         return joining.run_info(host, host.rankings, None, pb.RunQuery(sender=asker.node_id, founders=founders or [],
-                                                                       algorithm=algorithm))
+                                                                       algorithm=algorithm), asking.get(node))
+
+    def place(me, spec):
+        asking.update(dict.fromkeys(hosts, spec))
+        return asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec))
     monkeypatch.setattr(joining, "describe", describe)
     spec = dataclasses.replace(SPEC, max_world=6)
     spread = ["b", "d", "c", "a", "", ""]                 # slowest first, then fast, slow, fast
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec)) == (spread, "")
+        assert place(me, spec) == (spread, "")
     netmax = dataclasses.replace(spec, algorithm="netmax")  # asynchronous: slow hosts are not spread
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, netmax)) == (["a", "b", "c", "d", "", ""], "")
+        assert place(me, netmax) == (["a", "b", "c", "d", "", ""], "")
     links[:] = [dict(e, capacity_bytes_s=1e8) for e in links]   # a's links now read uniform
-    assert asyncio.run(joining.place(hosts["c"], hosts["c"].rankings, spec)) == (spread, "")
+    assert place("c", spec) == (spread, "")
 
     hosts["a"] = daemon("a", Config().replace(train_spread_slow_hosts=False))
     for me in "abcd":
-        assert asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec)) == (["a", "b", "c", "d", "", ""], "")
+        assert place(me, spec) == (["a", "b", "c", "d", "", ""], "")
 
     async def older(asker, node, founders=None, algorithm=""):
-        return pb.RunInfo(active=False, iteration=-1)
+        return pb.RunInfo(active=False, iteration=-1, waiting_spec_json=json.dumps(shared_spec(spec), sort_keys=True))
     monkeypatch.setattr(joining, "describe", older)
     assert asyncio.run(joining.place(hosts["d"], hosts["d"].rankings, spec)) == (["a", "b", "c", "d", "", ""], "")
+
+
+def test_a_run_forms_among_the_hosts_that_ask_for_it(monkeypatch):
+    """Daemons a..d are up; `peerd train --world 2` runs on b and d only. The run forms among b
+    and d once both ask (not among a and b, the first two daemons by id, which left b training
+    alone beside an a that never came); one that asks for other options is named; a third host
+    asking for the same run waits for the first two to form it."""
+    import asyncio
+    import types
+
+    from peerd.config import Config
+    from peerd.node.run import joining
+    from peerd.v1 import peer_pb2 as pb
+
+    names = "abcd"
+
+    def daemon(me: str):
+        others = {n: types.SimpleNamespace(capabilities={}) for n in names if n != me}
+        return types.SimpleNamespace(node_id=me, caps={}, cfg=Config(), rankings=joining.Rankings(),
+                                     membership=types.SimpleNamespace(alive=lambda: sorted(others), get=others.get),
+                                     link_matrix=types.SimpleNamespace(to_dict=lambda now: {"links": []}))
+    hosts = {n: daemon(n) for n in names}
+    asking: dict[str, object] = {}
+
+    async def describe(asker, node, founders=None, algorithm=""):
+        host = hosts[node]
+        return joining.run_info(host, host.rankings, None, pb.RunQuery(sender=asker.node_id, founders=founders or [],
+                                                                       algorithm=algorithm), asking.get(node))
+    monkeypatch.setattr(joining, "describe", describe)
+    spec = dataclasses.replace(SPEC, world=2, max_world=2)
+
+    def place(me):
+        return asyncio.run(joining.place(hosts[me], hosts[me].rankings, spec))
+    asking["b"] = spec
+    nodes, why = place("b")
+    assert nodes is None and "1 of 2 hosts ask for this run" in why and "not asking yet: a, c, d" in why, why
+    asking["d"] = dataclasses.replace(spec, iterations=spec.iterations + 1)
+    nodes, why = place("b")
+    assert nodes is None and "d asks for or runs a different run (iterations:" in why, why
+    asking["d"] = spec
+    assert place("b") == (["b", "d"], "") and place("d") == (["b", "d"], "")
+    asking["c"] = spec                                    # a third asker: b and c come first by id
+    nodes, why = place("d")
+    assert nodes is None and "the run forms among b, c" in why, why

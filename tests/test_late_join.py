@@ -143,3 +143,28 @@ def test_a_full_run_or_other_options_refuse_a_new_host(daemons):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_run_waits_for_every_host_to_ask_for_it(daemons):
+    """Both daemons are up; `peerd train` starts on the second host 8 s after the first (longer
+    than the silent-peer bound). The first waits, saying for whom, and the run then trains in full:
+    neither host mixes alone (a run formed among the daemons that were up left the first training
+    alone until the second came, and a short run ended degraded on both)."""
+    ds = swarm(daemons, 2, "w", extra=["--train-silent-peer-timeout", "3"])
+    opts = ["--task", "svm", "--world", "2", "--iterations", "60", "--algo", "d-psgd", "--step-time", "0.02"]
+    first = start_train(ds[0], *opts)
+    try:
+        time.sleep(8)
+        assert training(ds[0]) == {}, "the run formed before the second host asked for it"
+        second = start_train(ds[1], *opts)
+        runs = finish([first, second])
+    finally:
+        for p in (first, locals().get("second")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    waits = [r["message"] for r in runs[0] if r["state"] == "waiting"]
+    assert any("1 of 2 hosts ask for this run" in m and ds[1].node_id in m for m in waits), waits
+    for records in runs:
+        last = records[-1]
+        assert last["state"] == "done" and last["partial_mixes"] == 0, last

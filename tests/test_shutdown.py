@@ -58,10 +58,11 @@ def gone_within(pids: set[int], bound: float, what: str) -> None:
 
 
 def start_train(data_dir: Path, iterations: int = 1_000_000) -> subprocess.Popen:
-    """A run of world 2 with the partner daemon, which runs nothing: hop-backup waits on nobody,
-    so the trainer attaches, publishes and then waits for tokens, alive, as long as we like."""
+    """A run of this host alone (a run forms among the hosts that ask for it; the partner asks for
+    none), each step padded to a second, so the trainer lives, mostly idle, as long as we like."""
     return subprocess.Popen(peerd_cmd("train", "--data-dir", str(data_dir), "--json", "--task", "svm",
-                                      "--world", "2", "--algo", "hop-backup", "--iterations", str(iterations)),
+                                      "--world", "1", "--topology", "complete", "--algo", "hop-backup",
+                                      "--step-time", "1", "--iterations", str(iterations)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

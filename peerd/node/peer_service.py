@@ -153,7 +153,7 @@ class PeerService:
         if len(request.founders) > joining.MAX_FOUNDERS or not all(map(is_node_id, request.founders)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"peerd: DescribeRun: founders must be at most {joining.MAX_FOUNDERS} node ids")
-        return joining.run_info(self.runs.env, self.runs.rankings, self.runs.training, request)
+        return joining.run_info(self.runs.env, self.runs.rankings, self.runs.training, request, self.runs.waiting)
 
     async def JoinRun(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         await self._check_claim(context, request.sender, "JoinRun")

@@ -19,6 +19,7 @@ from peerd.node.offences import PeerOffences
 from peerd.node.run.env import RunEnv
 from peerd.node.run.joining import Rankings
 from peerd.node.run.run import TrainingRun
+from peerd.node.run.spec import RunSpec
 
 log = logging.getLogger("peerd.daemon")
 
@@ -31,6 +32,7 @@ class RunHost:
         self.offences = offences
         self.event = event                       # the daemon's event log
         self.training: TrainingRun | None = None
+        self.waiting: RunSpec | None = None      # a `peerd train` here waits for its run to form (joining.place)
         self.last_state: dict | None = None      # state() of the last run that ended (`peerd plan` reads it)
         self.rankings = Rankings()
         self._early: list[Received] = []         # peers' updates that arrived before our run started

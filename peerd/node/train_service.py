@@ -25,20 +25,25 @@ async def _placed(host: RunHost, spec: RunSpec, context):
     the last item is the member table."""
     cfg = host.env.cfg
     started = time.monotonic()
-    while True:
-        try:
-            nodes, why = await joining.place(host.env, host.rankings, spec)
-        except joining.JoinRefused as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
-        if nodes is not None:
-            yield nodes
-            return
-        waited = time.monotonic() - started
-        if waited > spec.join_timeout:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"peerd: no run to take part in after {spec.join_timeout:.0f}s: {why}")
-        yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited, message=why)
-        await asyncio.sleep(cfg.train.join_retry)
+    host.waiting = spec                     # DescribeRun tells the other hosts: a run forms among askers
+    try:
+        while True:
+            try:
+                nodes, why = await joining.place(host.env, host.rankings, spec)
+            except joining.JoinRefused as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+            if nodes is not None:
+                yield nodes
+                return
+            waited = time.monotonic() - started
+            if waited > spec.join_timeout:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"peerd: no run to take part in after {spec.join_timeout:.0f}s: {why}")
+            yield cpb.TrainProgress(state="waiting", world=spec.world, elapsed_s=waited, message=why)
+            await asyncio.sleep(cfg.train.join_retry)
+    finally:
+        if host.waiting is spec:
+            host.waiting = None
 
 
 async def serve_train(host: RunHost, request: cpb.TrainRequest, context: grpc.aio.ServicerContext) -> None:

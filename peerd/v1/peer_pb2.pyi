@@ -361,20 +361,22 @@ class RunQuery(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., run_id: _Optional[str] = ..., founders: _Optional[_Iterable[str]] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("active", "tag", "spec_json", "nodes", "iteration", "ranking")
+    __slots__ = ("active", "tag", "spec_json", "nodes", "iteration", "ranking", "waiting_spec_json")
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     RANKING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     active: bool
     tag: str
     spec_json: str
     nodes: _containers.RepeatedScalarFieldContainer[str]
     iteration: int
     ranking: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, active: _Optional[bool] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., iteration: _Optional[int] = ..., ranking: _Optional[_Iterable[str]] = ...) -> None: ...
+    waiting_spec_json: str
+    def __init__(self, active: _Optional[bool] = ..., tag: _Optional[str] = ..., spec_json: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., iteration: _Optional[int] = ..., ranking: _Optional[_Iterable[str]] = ..., waiting_spec_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("sender", "run_id", "tag", "spec_json")

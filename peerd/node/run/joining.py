@@ -17,7 +17,10 @@ it never changes when hosts join.
 - a peer that would be a founder runs an active run with a different spec: wait (the message names
   the first difference) until it finishes or `--join-timeout` passes, then fail naming it; so
   does one that does not answer (a loaded host: it may run this very run);
-- otherwise form a new run as before, in the ranks the first founder (rank 0 of `form_world`)
+- otherwise form a new run among the hosts whose `peerd train` asks for this same run (DescribeRun
+  says what a waiting `peerd train` asks for): the first `world` of them by site and node id, once
+  that many ask (a host whose `peerd train` starts later is waited for, not trained beside; one
+  that asks for other options is named), in the ranks the first founder (rank 0 of `form_world`)
   gives in its DescribeRun answer (`ranking`: slow access links apart on the ring, by its link
   matrix, unless the algorithm is asynchronous; the same answer to every asker); with `--algo auto`, only the first founder forms it and
   chooses, the others wait for its run and take its algorithm and topology (one plan per run).
@@ -110,16 +113,17 @@ def site_of(env: RunEnv, node: str) -> str:
     return str(member.capabilities.get("site", "")) if member is not None else ""
 
 
-def form_world(env: RunEnv, world: int) -> list[str] | None:
-    """This node and the first world-1 alive peers by node id, in rank order: by site label, then
-    node id (every host that sees the same swarm forms the same world; a ring over these ranks
-    keeps each site's hosts together, crossing between two sites twice, not at random). None while
-    too few peers are alive. The first of them re-ranks them to keep slow access links apart on
-    the ring, for every founder (`ranking`)."""
-    alive = env.membership.alive()
-    if len(alive) < world - 1:
+def form_world(env: RunEnv, world: int, among: list[str] | None = None) -> list[str] | None:
+    """The first `world` of this node and the peers `among` (default: the alive ones) by node id,
+    in rank order: by site label, then node id (every host that sees the same hosts forms the same
+    world; a ring over these ranks keeps each site's hosts together, crossing between two sites
+    twice, not at random). None while too few are there. The first of them re-ranks them to keep
+    slow access links apart on the ring, for every founder (`ranking`)."""
+    peers = env.membership.alive() if among is None else among
+    if len(peers) < world - 1:
         return None
-    return sorted([env.node_id, *sorted(alive)[:world - 1]], key=lambda n: (site_of(env, n), n))
+    chosen = sorted({env.node_id, *peers})[:world]
+    return sorted(chosen, key=lambda n: (site_of(env, n), n))
 
 
 async def describe(env: RunEnv, node: str, founders: list[str] | None = None, algorithm: str = "") -> pb.RunInfo:
@@ -151,13 +155,21 @@ async def place(env: RunEnv, rankings: Rankings, spec: RunSpec) -> tuple[list[st
     """This host's member table for `spec` (max_world entries, "" for vacant ranks), or None and
     why it must wait. Raises JoinRefused when it can never take part."""
     alive = env.membership.alive()
-    founders = form_world(env, spec.world)
-    infos = await asyncio.gather(*(describe(env, n, founders, spec.algorithm) for n in alive))
+    guess = form_world(env, spec.world)       # the founders when every alive host asks for this run
+    infos = await asyncio.gather(*(describe(env, n, guess, spec.algorithm) for n in alive))
     mine = shared_spec(spec)
     match: Found | None = None
     differ: dict[str, str] = {}
     silent = {node for node, info in zip(alive, infos) if info is UNKNOWN}
+    ready: list[str] = []                     # their `peerd train` waits for this same run
     for node, info in zip(alive, infos):
+        if not info.active and info.waiting_spec_json:
+            theirs = parse_spec(info.waiting_spec_json)
+            diff = first_difference(mine, theirs) if theirs is not None else "its spec is malformed"
+            if diff is None:
+                ready.append(node)
+            else:
+                differ[node] = diff
         if not info.active:
             continue
         theirs = parse_spec(info.spec_json)
@@ -183,15 +195,25 @@ async def place(env: RunEnv, rankings: Rankings, spec: RunSpec) -> tuple[list[st
             raise JoinRefused(f"run {match.tag} is full: world {spec.world}, max-world {len(match.nodes)}, every "
                               f"rank taken; start the run with a larger --max-world to admit late joiners")
         return await ask_to_join(env, spec, match)
-    if founders is None:
-        why = f"{len(alive) + 1} of {spec.world} hosts present"
-        return None, why + "".join(f"; {n} runs a different run ({d})" for n, d in differ.items())
-    clash = {n: d for n, d in differ.items() if n in founders}
-    if clash:
-        return None, "; ".join(f"{n} runs a different run ({d})" for n, d in clash.items())
-    if silent & set(founders):
+    others = "".join(f"; {n} asks for or runs a different run ({d})" for n, d in differ.items())
+    if guess is None:
+        return None, f"{len(alive) + 1} of {spec.world} hosts present" + others
+    # A run forms among hosts whose `peerd train` asks for it, not among every daemon that is up:
+    # a host whose trainer starts later would be waited on as silent, then left out of its
+    # neighbours' mixes until it came (a short run ended degraded on both hosts).
+    maybe = form_world(env, spec.world, ready + sorted(silent))
+    if maybe is not None and silent & set(maybe):
         # It may run the run this host belongs to (or a different one): never form without knowing.
-        return None, f"asking {', '.join(sorted(silent & set(founders)))} what it runs: no answer yet"
+        return None, f"asking {', '.join(sorted(silent & set(maybe)))} what it runs: no answer yet"
+    founders = form_world(env, spec.world, ready)
+    if founders is None:
+        idle = sorted(set(alive) - set(ready) - set(differ) - silent)
+        return None, (f"{len(ready) + 1} of {spec.world} hosts ask for this run; waiting for `peerd train` with "
+                      f"the same options on {spec.world - 1 - len(ready)} more"
+                      + (f" (up, not asking yet: {', '.join(idle)})" if idle else "") + others)
+    if env.node_id not in founders:
+        return None, (f"the run forms among {', '.join(founders)} ({spec.world} hosts asked first); this host "
+                      f"joins it once it has, if its --max-world leaves a rank")
     if spec.algorithm == "auto" and founders[0] != env.node_id:
         # One plan per run: the first founder chooses, the others take its choice from its run
         # (the match above). Planning on each host's own view of the links split the run near a
@@ -202,7 +224,10 @@ async def place(env: RunEnv, rankings: Rankings, spec: RunSpec) -> tuple[list[st
     else:
         # The first founder's ranks (its link matrix, not ours: every founder must form the same
         # table); one that gives none (an older daemon) ranks by site and node id, as we then do.
-        theirs = list(infos[alive.index(founders[0])].ranking)
+        first = infos[alive.index(founders[0])]
+        if founders != guess:                 # it ranked the world we guessed: ask for this one
+            first = await describe(env, founders[0], founders, spec.algorithm)
+        theirs = list(first.ranking)
         if sorted(theirs) == sorted(founders):
             founders = theirs
     return founders + [""] * (spec.max_world - spec.world), ""
@@ -269,16 +294,20 @@ async def ask_to_join(env: RunEnv, spec: RunSpec, found: Found) -> tuple[list[st
 
 
 # --- the member side ------------------------------------------------------------------------------
-def run_info(env: RunEnv, rankings: Rankings, run: TrainingRun | None, query: pb.RunQuery | None = None) -> pb.RunInfo:
+def run_info(env: RunEnv, rankings: Rankings, run: TrainingRun | None, query: pb.RunQuery | None = None,
+             waiting: RunSpec | None = None) -> pb.RunInfo:
+    """DescribeRun's answer: the run here (if any), the spec a `peerd train` here `waiting` for its
+    run asks for, and this host's ranks for the query's founders when it is the first of them."""
     founders = list(query.founders) if query is not None else []
     if founders and founders[0] == env.node_id and len(set(founders)) == len(founders) <= MAX_FOUNDERS:
         rank = ranking(env, rankings, founders, query.algorithm)
     else:
         rank = []
+    asks = json.dumps(shared_spec(waiting), sort_keys=True) if waiting is not None else ""
     if run is None:
-        return pb.RunInfo(active=False, iteration=-1, ranking=rank)
+        return pb.RunInfo(active=False, iteration=-1, ranking=rank, waiting_spec_json=asks)
     return pb.RunInfo(active=is_active(run), tag=run.tag, spec_json=json.dumps(shared_spec(run.spec), sort_keys=True),
-                      nodes=run.nodes, iteration=run.policy.k, ranking=rank)
+                      nodes=run.nodes, iteration=run.policy.k, ranking=rank, waiting_spec_json=asks)
 
 
 def is_active(run: TrainingRun) -> bool:
