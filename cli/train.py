@@ -119,11 +119,10 @@ def train(task, model_size, context, eval_tokens, batch_size, init_path, device,
                                           optimizer=optimizer, step_time=step_time,
                                           slow_prob=slow_prob, slow_factor=slow_factor, model_size=model_size,
                                           context=context, eval_tokens=eval_tokens,
-                                          batch_size=batch_size).items() if v is not None}
+                                          batch_size=batch_size,
+                                          cwd=os.getcwd() if script else None).items() if v is not None}
     if init_path:
         options.update(init_options(init_path))
-    if script:
-        options["cwd"] = os.getcwd()    # the script and its relative paths start here, not in the daemon's
     if device != "auto":
         options["device"] = device      # a host's own choice: the daemon must not make it part of the run
     check_task_options(task, model_size, context, eval_tokens)
