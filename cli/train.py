@@ -36,12 +36,12 @@ from cli.live import bits_per_byte, make_view, plain_line
 @click.option("--model-bytes", type=int, default=None,
               help="--algo auto: model size to plan with (default: the built-in task's parameter bytes)")
 @click.option("--topology", default="ring", show_default=True, help="ring, torus, exp, aer, complete (--algo auto picks its own)")
-@click.option("--world", type=int, required=True, help="hosts in the run, this one included")
-@click.option("--max-world", type=int, default=None,
+@click.option("--world", type=click.IntRange(min=1), required=True, help="hosts in the run, this one included")
+@click.option("--max-world", type=click.IntRange(min=0), default=None,
               help="hosts the run may grow to: up to MAX_WORLD - WORLD new hosts may join it later (same "
                    "options on every host; default Config.train_max_world, 0: --world, nobody joins)")
-@click.option("--iterations", type=int, default=300, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="same on every host: same initial model")
+@click.option("--iterations", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="same on every host: same initial model")
 @click.option("--non-iid", is_flag=True, help="skewed label shards")
 @click.option("--backup", type=int, help="Hop: backup in-neighbours not waited for")
 @click.option("--staleness", type=int, help="Hop: staleness bound s")
@@ -78,7 +78,7 @@ from cli.live import bits_per_byte, make_view, plain_line
 @click.option("--compress", type=click.Choice(["none", "fp16", "bf16", "int8", "int4"]), default=None,
               help="wire codec of model updates; int8/int4 send quantized increments of each host's public "
                    "copy with error feedback (default: Config.dataplane_compression)")
-@click.option("--eval-every", type=int, default=50, show_default=True, help="evaluate every N iterations")
+@click.option("--eval-every", type=click.IntRange(min=0), default=50, show_default=True, help="evaluate every N iterations")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for this host's daemon to answer and for the other hosts of the run")
 @click.option("--json", "as_json", is_flag=True, help="one JSON progress record per line")
@@ -231,21 +231,38 @@ def low_comm_options(outer: str, inner_steps, round_seconds, fragments, overlap,
 def _daemon_when_up(data_dir: str | None, timeout: float):
     """This host's daemon, waiting up to `timeout` for it to start: `peerd up ... &` followed at once
     by `peerd train` finds a daemon still starting (about 2 s), not a missing one."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    told = False
     while True:
         try:
             channel, stub = control_stub(data_dir)
             break
-        except click.ClickException:
+        except click.ClickException as e:
             if time.monotonic() >= deadline:
                 raise
+            if not told and time.monotonic() - start > SAY_WAITING_AFTER:
+                click.echo(f"waiting up to {timeout:g} s (--join-timeout) for this host's daemon: {e.message}",
+                           err=True)
+                told = True
             time.sleep(0.2)
+    ready = grpc.channel_ready_future(channel)
     try:
-        grpc.channel_ready_future(channel).result(timeout=max(0.1, deadline - time.monotonic()))
+        ready.result(timeout=min(SAY_WAITING_AFTER, max(0.1, deadline - time.monotonic())))
     except grpc.FutureTimeoutError:
-        channel.close()
-        raise click.ClickException(f"this host's daemon did not answer within --join-timeout {timeout:g} s") from None
+        if time.monotonic() < deadline:
+            click.echo(f"waiting up to {timeout:g} s (--join-timeout) for this host's daemon to answer on its "
+                       f"control socket", err=True)
+        try:
+            ready.result(timeout=max(0.1, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise click.ClickException(f"this host's daemon did not answer within --join-timeout {timeout:g} s "
+                                       f"(a socket left by a daemon that was killed? `peerd up` starts one)") from None
     return channel, stub
+
+
+SAY_WAITING_AFTER = 2.0   # seconds of silent waiting for the daemon before `peerd train` says so
 
 
 ACTIONS = {"pause": "KIND_PAUSE", "resume": "KIND_RESUME", "checkpoint": "KIND_CHECKPOINT", "stop": "KIND_STOP",
