@@ -225,6 +225,12 @@ def test_spec_checks_numbers_and_lengths():
                 dict(script=["a\0b"])):
         with pytest.raises(RunError):
             spec(**bad)
+    # the graph for the run's ranks is checked at once, not when every host has come
+    with pytest.raises(RunError, match="one host alone: --topology complete"):
+        spec(world=1)
+    with pytest.raises(RunError, match="exp cannot hold 3 ranks"):
+        spec(world=3, topology="exp")
+    assert spec(world=1, topology="complete").world == 1 and spec(world=3, max_world=4, topology="exp").world == 3
 
 
 @pytest.mark.parametrize("algo", sorted(registry.ALGORITHMS))

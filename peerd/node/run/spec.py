@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerd.net.wirecheck import clip, cut
-from peerd.sync import registry
+from peerd.sync import registry, topology
 from peerd.v1 import control_pb2 as cpb
 
 TOPOLOGIES = ("ring", "torus", "complete", "exp", "exp-directed", "aer")
@@ -73,6 +73,7 @@ class RunSpec:
         if max_world > world_limit:
             raise RunError(f"max-world: {max_world} is beyond this daemon's limit of {world_limit} ranks "
                            f"(train_max_world_limit)")
+        _check_graph(algo, topo, max_world)
         slowdown = r.slowdown or 1.0
         if not (math.isfinite(slowdown) and 0 < slowdown <= MAX_SLOWDOWN):
             raise RunError(f"slowdown: {slowdown} is not a number in (0, {MAX_SLOWDOWN:g}]")
@@ -86,6 +87,19 @@ class RunSpec:
     def swarm_budget(self) -> bool:
         """--budget swarm: the iterations are a budget for the run's hosts together."""
         return self.options.get("budget", "host") == "swarm"
+
+
+def _check_graph(algo: str, topo: str, ranks: int) -> None:
+    """The run's graph exists for its ranks (a ring needs 2, exp and aer a power of two): said now,
+    not once every host has come."""
+    if algo == "auto":
+        return
+    name = registry.get(algo).topology or topo
+    try:
+        topology.make(name, ranks)
+    except ValueError as e:
+        hint = "; one host alone: --topology complete" if ranks == 1 else ""
+        raise RunError(f"topology: {name} cannot hold {ranks} ranks (--max-world, else --world): {e}{hint}") from None
 
 
 def _check_script(r: cpb.TrainRequest) -> None:
