@@ -203,3 +203,18 @@ def test_readme_user_script_trains_through_the_daemons(daemons):
         log = next(d.data_dir.glob("trainer-*.log")).read_text()
         acc = float(re.search(r"accuracy (\d\.\d+)", log).group(1))
         assert acc > 0.9, log
+
+
+def test_a_crashing_script_says_why_in_progress_and_in_the_failure(daemons, tmp_path):
+    """A script that fails at import: each restart says so with the exception's line (not only the
+    trainer log), that there is no checkpoint to restart from, and the failure names it."""
+    script = tmp_path / "broken.py"
+    script.write_text("import no_such_module_here\n")
+    d = daemons("crash", extra=["--train-max-restarts", "1", "--train-restart-delay", "0.2"])
+    p = start_train(d, "--script", str(script), "--world", "1", "--topology", "complete")
+    out, err = p.communicate(timeout=120)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    why = "ModuleNotFoundError: No module named 'no_such_module_here'"
+    restarting = [r["message"] for r in records if r["state"] == "restarting"]
+    assert restarting and why in restarting[0] and "it wrote no checkpoint" in restarting[0], restarting
+    assert p.returncode == 1 and why in err + records[-1]["message"], (err, records[-1:])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
+from peerd.net.wirecheck import clip
 from peerd.node.run.context import RunContext
 from peerd.node.run.outbound import Outbound
 from peerd.node.run.progress import MixLedger, Progress
@@ -104,17 +106,21 @@ class TrainerSupervisor:
                 break
             self.outbound.announce(pb.TrainerNotice.STATE_ABSENT)
             p.restarts += 1
+            why = last_error(log_path)
             if p.restarts > cfg.max_restarts:
-                self.fail(f"trainer exited {code} and was restarted {p.restarts - 1} times; see {log_path}")
+                self.fail(f"trainer exited {code} ({why}) and was restarted {p.restarts - 1} times; see {log_path}")
                 break
             p.state = "restarting"
-            p.message = f"trainer exited {code}; restarting from its last checkpoint"
-            log.warning("trainer exited %d; restarting from checkpoint (%d)", code, p.restarts)
+            saved = any(self.checkpoint_dir.glob("*.pt"))
+            p.message = (f"trainer exited {code} ({why}); restarting ({p.restarts} of {cfg.max_restarts}) "
+                         + ("from its last checkpoint" if saved else "from the start: it wrote no checkpoint")
+                         + f"; its log: {log_path}")
+            log.warning("trainer exited %d (%s); restarting (%d of %d)", code, why, p.restarts, cfg.max_restarts)
             self.changed.set()
             await asyncio.sleep(cfg.restart_delay)
             if p.state == "stopping":
                 break
-            p.state = "training"
+            p.state, p.message = "training", f"trainer restarted ({p.restarts} of {cfg.max_restarts})"
         self.done.set()
         self.changed.set()
 
@@ -146,3 +152,18 @@ class TrainerSupervisor:
         """What must not outlive a forced daemon stop."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
+
+
+def last_error(log_path: Path, tail_bytes: int = 8192) -> str:
+    """The last line of a trainer's log that names an exception ("ValueError: ..."), else its last
+    line: what a crashed script said, shown where the user looks (progress), not only in the log."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    if not lines:
+        return "it printed nothing"
+    named = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", ln)]
+    return clip((named or lines)[-1], 160)
