@@ -325,3 +325,19 @@ def test_an_update_that_comes_before_our_run_started_waits_for_it(tmp_path):
         assert await stopped.sink_for(h, "b") is None   # a stopping daemon: nothing to wait for
         assert time.monotonic() - t0 < 0.2
     asyncio.run(go())
+
+
+def test_a_pass_asked_for_after_the_run_stopped_is_cancelled_not_an_error():
+    """A scratch-sum timer that fired after the run stopped raised "cannot schedule new futures
+    after shutdown" on the loop (an ERROR traceback in the daemon log at every Ctrl+C)."""
+    from peerd.node.run.passes import Passes
+
+    async def main():
+        passes = Passes()
+        assert await passes.submit(lambda: 1) == 1
+        await passes.close()
+        assert passes.submit(lambda: 2).cancelled()
+        done = []
+        passes.after(lambda: done.append(True))
+        assert done == [True]
+    asyncio.run(main())

@@ -218,3 +218,31 @@ def test_a_crashing_script_says_why_in_progress_and_in_the_failure(daemons, tmp_
     restarting = [r["message"] for r in records if r["state"] == "restarting"]
     assert restarting and why in restarting[0] and "it wrote no checkpoint" in restarting[0], restarting
     assert p.returncode == 1 and why in err + records[-1]["message"], (err, records[-1:])
+
+
+def test_ctrl_c_on_one_host_tells_the_other_at_once(daemons):
+    """Ctrl+C in one host's `peerd train`: its daemon tells the other host that its trainer is gone
+    (the other stopped waiting only after the silent bound, and a push to it stalled), and logs no
+    traceback while its run stops."""
+    ds = swarm(daemons, 2, "c", extra=["--train-silent-peer-timeout", "15"])
+    args = ["--task", "svm", "--world", "2", "--algo", "d-psgd", "--iterations", "100000", "--step-time", "0.05"]
+    stays, leaves = start_train(ds[0], *args), start_train(ds[1], *args)
+    try:
+        wait_for(lambda: (json.loads((ds[0].status() or {}).get("training_json") or "{}")
+                          .get("policy", {}).get("iteration", -1)) >= 10, 90, "iteration 10")
+        os.killpg(leaves.pid, signal.SIGINT)
+        assert leaves.wait(timeout=30) == 130
+        t_stop = time.time()
+        time.sleep(6)
+        os.killpg(stays.pid, signal.SIGINT)
+        out, _ = stays.communicate(timeout=30)
+    finally:
+        for p in (stays, leaves):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    after = [r for r in records if r["t"] >= t_stop and r["state"] == "training"]
+    stall, _ = longest_stall(after)
+    assert after and after[-1]["iteration"] > after[0]["iteration"] and stall < 5, (stall, after[-3:])
+    assert "Traceback" not in ds[1].read_log(), ds[1].read_log()[-3000:]

@@ -20,9 +20,16 @@ class Passes:
         self._pool = workers.pool(1, "peerd-pass")
         self._loop = asyncio.get_running_loop()
         self.pending = 0
+        self.closed = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run fn(*args) after every pass submitted before; its result as a future of the loop."""
+        """Run fn(*args) after every pass submitted before; its result as a future of the loop.
+        Once closed (the run stopped), a cancelled future: a timer or a stream still finishing
+        asks for a pass that nobody needs any more."""
+        if self.closed:
+            fut = self._loop.create_future()
+            fut.cancel()
+            return fut
         self.pending += 1
         fut = asyncio.wrap_future(self._pool.submit(fn, *args), loop=self._loop)
         fut.add_done_callback(self._done)
@@ -41,4 +48,5 @@ class Passes:
 
     async def close(self) -> None:
         """Wait for the passes submitted (a buffer they read must not be freed before), then stop."""
+        self.closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)

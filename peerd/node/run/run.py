@@ -45,6 +45,7 @@ from peerd.node.run.trainer_api import TrainerApi
 from peerd.sync import events as ev
 from peerd.sync import registry, topology
 from peerd.v1 import control_pb2 as cpb
+from peerd.v1 import peer_pb2 as pb
 
 log = logging.getLogger("peerd.train")
 
@@ -317,9 +318,17 @@ class TrainingRun:
         self.changed.set()
 
     async def stop(self) -> None:
-        """Stop the trainer (SIGTERM, then SIGKILL after the bound) and free every buffer."""
-        if self.progress.state not in ("done", "degraded", "failed"):
-            self.progress.state = "stopping"
+        """Stop the trainer (SIGTERM, then SIGKILL after the bound) and free every buffer. A run
+        stopped before it finished (Ctrl+C in `peerd train`, a failed trainer) tells the other
+        hosts first, as a finished one does: they stop waiting for us now, not after the silent
+        bound. The notice goes behind a push in flight: waited for up to half of rpc_timeout."""
+        if self.progress.state not in ("done", "degraded"):
+            if self.progress.state != "failed":
+                self.progress.state = "stopping"
+            self.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
+            deadline = time.monotonic() + self.ctx.cfg.node.rpc_timeout / 2
+            while self.outbound.notices_pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         await self.supervisor.stop(self.ctx.cfg.node.shutdown_grace + 2)
         for task in list(self._tasks):
             task.cancel()
