@@ -132,8 +132,26 @@ def control_stub(data_dir: str | None):
     if not path.exists():
         raise click.ClickException(f"no daemon control socket at {path}: is `peerd up` running with this "
                                    f"--data-dir?")
+    if not listening(path):
+        raise click.ClickException(f"no daemon answers on {path}: a socket left by a daemon that was killed? "
+                                   f"`peerd up` with this --data-dir starts one (and replaces it)")
     channel = grpc.insecure_channel(f"unix://{path}")
     return channel, control_pb2_grpc.ControlStub(channel)
+
+
+def listening(path) -> bool:
+    """Something accepts connections on the unix socket `path` (a killed daemon leaves the file)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True          # another error (permissions, a busy backlog): let gRPC say what it is
+    return True
 
 
 def fetch_status(data_dir: str | None, timeout: float):

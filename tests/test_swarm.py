@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from peerd import PROTOCOL_VERSION
+from peerd.node.localswarm import peerd_cmd
 from tests.daemons import peer_states, wait_for
 
 DETECTION_BOUND = 2.0 + 0.2 + 1.5  # dead_after + one heartbeat interval + scheduling slack
@@ -141,3 +142,14 @@ def test_ipv6_loopback_peers_gossip_dialable_addresses(daemons):
              15, "b and c to find each other through a's gossip")
     for p in a.status()["peers"]:
         assert "%" not in p["address"]
+
+
+def test_a_stale_control_socket_is_named_not_a_grpc_error(tmp_path):
+    """A daemon killed with SIGKILL leaves its socket file: the CLI says no daemon answers there."""
+    import socket as socket_mod
+
+    path = tmp_path / "peerd.sock"
+    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as s:
+        s.bind(str(path))                  # the file exists, nobody listens
+    p = subprocess.run(peerd_cmd("status", "--data-dir", str(tmp_path)), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and "no daemon answers on" in p.stderr and "UNAVAILABLE" not in p.stderr, p.stderr

@@ -197,7 +197,8 @@ async def place(env: RunEnv, rankings: Rankings, spec: RunSpec) -> tuple[list[st
         return await ask_to_join(env, spec, match)
     others = "".join(f"; {n} asks for or runs a different run ({d})" for n, d in differ.items())
     if guess is None:
-        return None, f"{len(alive) + 1} of {spec.world} hosts present" + others
+        return None, (f"{len(alive) + 1} of {spec.world} hosts present (`peerd status` lists the daemons this one "
+                      f"sees; one missing needs a --peer seed, the same cluster secret and its port open)" + others)
     # A run forms among hosts whose `peerd train` asks for it, not among every daemon that is up:
     # a host whose trainer starts later would be waited on as silent, then left out of its
     # neighbours' mixes until it came (a short run ended degraded on both hosts).
