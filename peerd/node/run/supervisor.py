@@ -19,6 +19,7 @@ from peerd.node.run.trainer_api import TrainerApi
 from peerd.v1 import peer_pb2 as pb
 
 log = logging.getLogger("peerd.train")
+ATTACH_HINT_AFTER = 20.0   # seconds after which a script that has not attached is named (a hint, not a bound)
 
 # `peerd train` options the built-in trainer takes as its own flags (--key-name VALUE)
 WORKER_OPTIONS = ("lr", "momentum", "optimizer", "batch_size", "accum_iter", "step_time", "slow_prob", "slow_factor",
@@ -94,7 +95,12 @@ class TrainerSupervisor:
                 log.info("trainer pid %d started (rank %d of %d, %s, %s); log %s", self.process.pid,
                          self.ctx.rank, self.ctx.n, self.ctx.spec.algorithm,
                          self.ctx.spec.task or " ".join(self.ctx.spec.script), log_path)
+                hint = asyncio.get_running_loop().call_later(
+                    ATTACH_HINT_AFTER, self._not_attached, self.process.pid, self.api.attaches, log_path) \
+                    if self.ctx.spec.script else None
                 code = await asyncio.to_thread(self.process.wait)
+                if hint is not None:
+                    hint.cancel()
             if code == 0:
                 self._finished()
                 break
@@ -123,6 +129,14 @@ class TrainerSupervisor:
             p.state, p.message = "training", f"trainer restarted ({p.restarts} of {cfg.max_restarts})"
         self.done.set()
         self.changed.set()
+
+    def _not_attached(self, pid: int, attaches: int, log_path: Path) -> None:
+        """A script has run ATTACH_HINT_AFTER seconds without attaching: say what it may lack."""
+        if self.api.attaches == attaches and self.process is not None and self.process.poll() is None:
+            self.progress.message = (f"the script (pid {pid}) has not attached after {ATTACH_HINT_AFTER:.0f} s: "
+                                     f"does it call peerd.train.attach()? its log: {log_path}")
+            log.warning("%s", self.progress.message)
+            self.changed.set()
 
     def _finished(self) -> None:
         """The trainer exited 0: done, or degraded when most of its mixes left out a neighbour."""

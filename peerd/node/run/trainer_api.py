@@ -41,6 +41,7 @@ class TrainerApi:
                  done: asyncio.Event, feed: Callable[[ev.Event], None], replay_early: Callable[[], None],
                  mixed: Callable[[int, set[int]], None], timings: Timings) -> None:
         self.ctx = ctx
+        self.attaches = 0                 # Attach calls so far (a trainer that never makes one is named)
         self.mixer = mixer
         self.snapshots = snapshots
         self.outbound = outbound
@@ -65,6 +66,7 @@ class TrainerApi:
 
     # --- attach -------------------------------------------------------------------------------
     async def attach(self, req: cpb.AttachRequest) -> cpb.AttachReply:
+        self.attaches += 1
         layout = Layout.build((e.name, e.dtype, tuple(e.shape)) for e in req.layout)
         if req.total_bytes and req.total_bytes != layout.total_bytes:
             raise LayoutMismatch(f"total size {req.total_bytes} bytes announced, the layout needs "
