@@ -153,3 +153,25 @@ def test_a_stale_control_socket_is_named_not_a_grpc_error(tmp_path):
         s.bind(str(path))                  # the file exists, nobody listens
     p = subprocess.run(peerd_cmd("status", "--data-dir", str(tmp_path)), capture_output=True, text=True, timeout=30)
     assert p.returncode == 1 and "no daemon answers on" in p.stderr and "UNAVAILABLE" not in p.stderr, p.stderr
+
+
+def test_port_check_ignores_connections_left_in_time_wait():
+    """A daemon restarted after SIGKILL finds its port's accepted connections in TIME_WAIT: that
+    port is free to listen on (the chaos test's restarted hosts were refused as "in use")."""
+    import socket as socket_mod
+
+    from peerd.node.daemon import port_held
+
+    listener = socket_mod.socket()
+    listener.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
+    listener.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert port_held("127.0.0.1", port) == "address already in use"
+    client = socket_mod.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()                    # the server side closes first: its end waits in TIME_WAIT
+    client.close()
+    listener.close()
+    assert port_held("127.0.0.1", port) == ""

@@ -475,8 +475,10 @@ def has_ipv6_loopback() -> bool:
 def port_held(host: str, port: int) -> str:
     """Why `host:port` cannot be ours ("" when it can). gRPC binds with SO_REUSEPORT, so a second
     daemon of the same user on a port in use would bind too, and the kernel would deal the
-    connections between the two; a plain socket (no SO_REUSEPORT) is refused while anyone holds
-    the port. Errors other than "in use" are left to gRPC's own bind."""
+    connections between the two; a socket without SO_REUSEPORT is refused while anyone listens
+    there. With SO_REUSEADDR, as gRPC's own: connections of a killed daemon left in TIME_WAIT on
+    the port do not count (a restart after SIGKILL must bind). Errors other than "in use" are left
+    to gRPC's own bind."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:
@@ -484,6 +486,7 @@ def port_held(host: str, port: int) -> str:
     for family, kind, proto, _, addr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(addr)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
