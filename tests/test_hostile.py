@@ -33,6 +33,7 @@ from peerd.train.tasks import get_task
 from peerd.v1 import peer_pb2 as pb
 from tests.daemons import control_status, start_ready, wait_for
 from tests.members import as_daemon, member
+from tests.test_training import IdleMember
 
 PING = "/peerd.v1.Peer/Ping"
 HELLO = "/peerd.v1.Peer/SayHello"
@@ -241,12 +242,15 @@ def test_bad_updates_are_dropped_counted_and_the_peer_flagged_then_readmitted(da
     a = start_ready(daemons("a", extra=hostile, start=False))
     b = start_ready(daemons("b", seeds=[a.address], start=False))
     wait_for(lambda: states(a).get(b.node_id) == "alive", 30, "the two daemons to meet")
-    # A trains with world 2 (B is in its world, B runs nothing): hop-backup waits on nobody, so A
-    # attaches, publishes and then waits for B's tokens, which is all this test needs.
-    train = subprocess.Popen(peerd_cmd("train", "--data-dir", str(a.data_dir), "--json", "--task", "svm",
-                                       "--world", "2", "--iterations", "100000", "--algo", "hop-backup"),
+    # A trains with world 2 (B is in its run, its trainer frozen before it attaches: B sends
+    # nothing of its own): hop-backup waits on nobody, so A attaches, publishes and then waits for
+    # B's tokens, which is all this test needs.
+    args = ["--task", "svm", "--world", "2", "--iterations", "100000", "--algo", "hop-backup"]
+    idle = IdleMember(b, *args)
+    train = subprocess.Popen(peerd_cmd("train", "--data-dir", str(a.data_dir), "--json", *args),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
+        idle.freeze()
         run = wait_for(lambda: (lambda t: t if t.get("policy", {}).get("iteration", -1) >= 1 else None)(_training(a)),
                        90, "A's trainer to attach and publish")
         kind = f"model:{run['tag']}"
@@ -303,6 +307,7 @@ def test_bad_updates_are_dropped_counted_and_the_peer_flagged_then_readmitted(da
         if train.poll() is None:
             os.killpg(train.pid, 2)
             train.wait(timeout=20)
+        idle.close()
 
 
 # --- a disk that fills during checkpointing ----------------------------------------------------------

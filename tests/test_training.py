@@ -246,3 +246,39 @@ def test_ctrl_c_on_one_host_tells_the_other_at_once(daemons):
     stall, _ = longest_stall(after)
     assert after and after[-1]["iteration"] > after[0]["iteration"] and stall < 5, (stall, after[-3:])
     assert "Traceback" not in ds[1].read_log(), ds[1].read_log()[-3000:]
+
+
+class IdleMember:
+    """`peerd train` on `d`, whose trainer is frozen (SIGSTOP) as soon as its daemon spawns it,
+    before it attaches: a member of the run whose daemon is up and whose trainer never publishes
+    (a run forms only among hosts that ask for it, so a test wanting such a peer asks, then
+    freezes). `freeze()` once the run can form; `close()` at the end."""
+
+    def __init__(self, d, *args: str) -> None:
+        self.d, self.trainer = d, None
+        self.proc = start_train(d, *args)
+
+    def freeze(self, timeout: float = 90.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for entry in os.listdir("/proc"):
+                try:
+                    if (entry.isdigit() and open(f"/proc/{entry}/stat").read().split()[3] == str(self.d.proc.pid)
+                            and "peerd.train.worker" in open(f"/proc/{entry}/cmdline").read()):
+                        os.kill(int(entry), signal.SIGSTOP)
+                        self.trainer = int(entry)
+                        return self.trainer
+                except OSError:
+                    continue
+            time.sleep(0.01)
+        raise AssertionError(f"no trainer of {self.d.data_dir} within {timeout}s")
+
+    def close(self) -> None:
+        for pid in [self.trainer] if self.trainer else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
