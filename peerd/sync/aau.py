@@ -186,6 +186,10 @@ class AAU(Policy):
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return self._try(now)
 
+    def holds(self, src: int) -> bool:
+        oldest = self.mixed + 1 - self.staleness
+        return any(x >= oldest for x in self.held.get(src, ()))
+
     def _newest(self, j: int, upto: int) -> int:
         return max((x for x in self.held.get(j, ()) if x <= upto), default=-1)
 

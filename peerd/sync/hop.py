@@ -273,6 +273,10 @@ class Hop(Policy):
             raise ValueError(f"topology: worker {self.me} gives itself no weight in row {row}")
         return [(self.me, k, row[self.me])] + [(j, kj, row[j]) for j, kj in got]
 
+    def holds(self, src: int) -> bool:
+        oldest = self.mixed + 1 - (self.staleness or 0)
+        return any(x >= oldest for x in self.held.get(src, ()))
+
     def mix_weight(self, src: int, k: int) -> float | None:
         if not self.eager_mix or src in self.dead or src not in self.live_in(k):
             return None

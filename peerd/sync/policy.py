@@ -175,6 +175,13 @@ class Policy:
     def on_tick(self, ev: Tick, now: float) -> list[Action]:
         return []
 
+    def holds(self, src: int) -> bool:
+        """Optional, pure: an update from `src` is in hand that a mix of the current or a later
+        iteration may still use. A neighbour that finished (it sends nothing more) stays in the
+        graph until none is left, so that the update it sent last is mixed. False: nothing is
+        held across events (the default)."""
+        return False
+
     def mix_weight(self, src: int, k: int) -> float | None:
         """Optional, pure, for eager_mix policies: the (not renormalised) weight the mix of k will
         give src's iteration-k update, if src is a live in-neighbour at k; lets a driver sum the
