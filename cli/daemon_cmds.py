@@ -227,8 +227,22 @@ def status(data_dir: str | None, as_json: bool, timeout: float) -> None:
     if reply.refused_calls or reply.rate_limited_calls:
         click.echo(f"refused   {reply.refused_calls} calls without valid credentials, "
                    f"{reply.rate_limited_calls} more rate-limited")
+    for line in _seed_lines(reply):
+        click.echo(line)
     if reply.peers:
         click.echo("\n" + _table(_peer_rows(reply), PEER_HEADER))
+
+
+def _seed_lines(reply) -> list[str]:
+    """One line per --peer seed: the node that answered there, or why none has yet."""
+    states = {p.node_id: p.state for p in reply.peers}
+    lines = []
+    for s in reply.seeds:
+        what = f"{s.node_id} ({states.get(s.node_id, 'not a member')})" if s.node_id else "no node joined there"
+        if s.failures:
+            what += f"; failing: {s.last_error} ({s.failures} tries, retried with back-off)"
+        lines.append(f"{'seeds' if not lines else '':<9} {s.address}  {what}")
+    return lines
 
 
 @click.command()

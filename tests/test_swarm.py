@@ -8,7 +8,7 @@ import subprocess
 import time
 
 from peerd import PROTOCOL_VERSION
-from peerd.node.localswarm import peerd_cmd
+from peerd.node.localswarm import peerd_cmd, run_cli
 from tests.daemons import peer_states, wait_for
 
 DETECTION_BOUND = 2.0 + 0.2 + 1.5  # dead_after + one heartbeat interval + scheduling slack
@@ -61,6 +61,13 @@ def test_wrong_secret_is_refused_by_all_and_never_enters_a_table(daemons, tmp_pa
     assert peer_states(intruder) == {}
     assert "cluster secret mismatch" in intruder.read_log()     # the refused side says why
     assert "cluster secret mismatch" in d1.read_log()           # and so does the refusing side
+    # ... and its `peerd status`, not only its log
+    seeds = {s["address"]: s for s in intruder.status()["seeds"]}
+    assert set(seeds) == {d1.address, d2.address}
+    assert all(s["failures"] and "secret mismatch" in s["last_error"] for s in seeds.values()), seeds
+    text = run_cli("status", "--data-dir", str(intruder.data_dir)).stdout
+    assert f"seeds     {d1.address}  no node joined there; failing: refused us: " in text, text
+    assert [s["node_id"] for s in d2.status()["seeds"]] == [d1.node_id]
 
 
 def test_status_json_is_parseable_and_complete(daemons):

@@ -220,6 +220,21 @@ def test_seed_candidates_are_retried_forever_with_bounded_backoff():
     assert c.next_attempt - 19 <= 8  # retry_max
 
 
+def test_a_seed_not_adopted_is_kept_retried_with_back_off_and_says_why():
+    """A seed in another run (or of an old protocol) stays a seed, unlike a gossiped address, and
+    `peerd status` shows why it is not a peer; it used to be retried at every membership tick."""
+    m = make()
+    m.add_candidate("seed:1", "seed", 0, permanent=True)
+    m.add_candidate("gossip:1", "gossip", 0)
+    m.drop_candidate("gossip:1", 1.0, "not adopted: another run")
+    m.drop_candidate("seed:1", 1.0, "not adopted: another run")
+    c = m.candidates["seed:1"]
+    assert "gossip:1" not in m.candidates and c.next_attempt > 1.0
+    assert (c.failures, c.last_error) == (1, "not adopted: another run")
+    m.admit("n1", "seed:1", "r", 1, {}, now=2.0)
+    assert (c.node_id, c.failures, c.last_error) == ("n1", 0, "")
+
+
 # --- generated code ---------------------------------------------------------------------------
 def test_generated_protobuf_code_is_up_to_date():
     from peerd import protogen

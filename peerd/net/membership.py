@@ -63,6 +63,7 @@ class Candidate:
     next_attempt: float = 0.0
     failures: int = 0
     permanent: bool = False      # seeds are retried forever
+    last_error: str = ""         # why the last try failed (`peerd status` shows it for seeds)
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Membership:
         if cand is not None and not cand.permanent:
             del self.candidates[address]
         if cand is not None and cand.permanent:
-            cand.node_id, cand.failures, cand.next_attempt = node_id, 0, now
+            cand.node_id, cand.failures, cand.next_attempt, cand.last_error = node_id, 0, now, ""
         if old is not None and incarnation < old.incarnation and not self._superseded(old, now):
             return None  # a stale Hello from a previous life
         if old is None and len(self.members) >= self.timing.max_peers:
@@ -191,18 +192,23 @@ class Membership:
         self._failures[node_id] = n
         self._retry_at[node_id] = now + min(self.timing.retry_max, self.timing.retry_base * 2 ** min(n, 16))
 
-    def candidate_failed(self, address: str, now: float) -> None:
+    def candidate_failed(self, address: str, now: float, why: str = "") -> None:
         c = self.candidates.get(address)
         if c is None:
             return
         c.failures += 1
+        c.last_error = why
         c.next_attempt = now + min(self.timing.retry_max, self.timing.retry_base * 2 ** min(c.failures, 16))
         if not c.permanent and c.failures >= 8:
             del self.candidates[address]  # gossip/mDNS will tell us again if it is real
 
-    def drop_candidate(self, address: str) -> None:
+    def drop_candidate(self, address: str, now: float, why: str = "") -> None:
+        """Not adopted (another run, an old protocol): forgotten, unless it is a seed, which is
+        retried with back-off and shows `why` in `peerd status`."""
         c = self.candidates.get(address)
-        if c is not None and not c.permanent:
+        if c is not None and c.permanent:
+            self.candidate_failed(address, now, why)
+        elif c is not None:
             del self.candidates[address]
 
     def left(self, node_id: str, incarnation: int, now: float) -> Transition | None:

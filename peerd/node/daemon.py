@@ -440,8 +440,10 @@ class Daemon:
                                 direct=True, **dict(zip(("bad_updates", "flagged_for_s", "last_offence"),
                                                         self.offences.view(m.node_id))))
                  for m in sorted(table.members.values(), key=lambda m: m.node_id)]
+        seeds = [cpb.SeedStatus(address=c.address, node_id=c.node_id, failures=c.failures, last_error=c.last_error)
+                 for c in table.candidates.values() if c.permanent]
         gate = self.gate.state()
-        return cpb.StatusReply(node_id=self.me.node_id, address=self.me.address, run_id=self.cfg.node.run_id,
+        return cpb.StatusReply(seeds=seeds, node_id=self.me.node_id, address=self.me.address, run_id=self.cfg.node.run_id,
                                uptime_s=now - self.started_mono, protocol_version=PROTOCOL_VERSION,
                                peerd_version=__version__, event_loop=loop_name(), incarnation=self.me.incarnation,
                                peers=peers, data_dir=str(self.data.path), tls=self.tls_on,

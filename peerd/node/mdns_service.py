@@ -73,4 +73,4 @@ def on_candidate(table: Membership, c: Candidate) -> None:
 def on_gone(table: Membership, node_id: str) -> None:
     cands = table.candidates
     for address in [a for a, c in cands.items() if c.node_id == node_id and c.source == SOURCE]:
-        table.drop_candidate(address)
+        table.drop_candidate(address, time.monotonic())

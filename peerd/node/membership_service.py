@@ -293,46 +293,46 @@ class MembershipService:
                 log.error("contact %s failed: %r", key, t.exception(), exc_info=t.exception())
         task.add_done_callback(done)
 
-    def _refused(self, address: str, err: grpc.aio.AioRpcError) -> None:
+    def _refused(self, address: str, err: grpc.aio.AioRpcError) -> str:
+        """Log a refusal of our Hello (at most every auth_log_every per address); returns why."""
         now = time.monotonic()
+        hint = " (check --secret-file / PEERD_SECRET: all daemons need the same secret)" \
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED else ""
+        why = f"refused us: {err.details()}{hint}"
         if now - self._logged_refusals.get(address, -1e18) >= self.cfg.auth.log_every:
             self._logged_refusals[address] = now
-            hint = " (check --secret-file / PEERD_SECRET: all daemons need the same secret)" \
-                if err.code() == grpc.StatusCode.UNAUTHENTICATED else ""
-            log.warning("peer at %s refused us: %s%s", address, err.details(), hint)
+            log.warning("peer at %s %s", address, why)
+        return why
 
     async def _hello(self, address: str, source: str, node: str = "") -> None:
         now = time.monotonic()
         try:
             reply, signer = await self.client.hello(address, self.hello_message(), node=node)
         except grpc.aio.AioRpcError as err:
-            self.table.candidate_failed(address, time.monotonic())
             if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
                               grpc.StatusCode.INVALID_ARGUMENT):
-                self._refused(address, err)
-            else:
-                self.on_dial_failed(node, address)
-                cand = self.table.candidates.get(address)
-                if cand is not None and cand.failures == 1:
-                    hint = connect_hint(err.details() or "", self.channels.secure(address))
-                    log.info("cannot reach %s %s yet: %s%s (retrying with back-off up to %.0fs)",
-                             source, address, err.code().name, hint, self.cfg.membership.connect_retry_max)
+                self.table.candidate_failed(address, time.monotonic(), self._refused(address, err))
+                return
+            hint = connect_hint(err.details() or "", self.channels.secure(address))
+            self.table.candidate_failed(address, time.monotonic(),
+                                        f"cannot reach it: {err.code().name}: {clip(err.details() or '', 160)}{hint}")
+            self.on_dial_failed(node, address)
+            cand = self.table.candidates.get(address)
+            if cand is not None and cand.failures == 1:
+                log.info("cannot reach %s %s yet: %s%s (retrying with back-off up to %.0fs)",
+                         source, address, err.code().name, hint, self.cfg.membership.connect_retry_max)
             return
         node = reply.node
         if signer != node.node_id:
-            self.table.candidate_failed(address, now)
-            log.warning("peer at %s answered Hello as %s but signed as %s; not adopted", address,
-                        clip(node.node_id, 40), signer)
+            why = f"answered Hello as {clip(node.node_id, 40)} but signed as {signer}"
+            self.table.candidate_failed(address, now, why)
+            log.warning("peer at %s %s; not adopted", address, why)
             return
         refusal = hello_refusal(self.me.node_id, self.me.run_id, node, self.max_incarnation())
-        if refusal:
-            self.table.drop_candidate(address)
-            log.warning("not adopting %s at %s: %s", node.node_id, address, refusal[1])
-            return
-        caps, why = caps_from_pb(node.capabilities)
+        caps, why = caps_from_pb(node.capabilities) if not refusal else ({}, refusal[1])
         if why:
-            self.table.drop_candidate(address)
+            self.table.drop_candidate(address, time.monotonic(), f"not adopted: {why}")
             log.warning("not adopting %s at %s: %s", node.node_id, address, why)
             return
         self.revoke([revocation_from_pb(r) for r in list(reply.revocations)[:self.revoked.capacity]],

@@ -38,7 +38,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., incarnation: _Optional[int] = ..., device_kind: _Optional[str] = ..., direct: _Optional[bool] = ..., bad_updates: _Optional[int] = ..., flagged_for_s: _Optional[float] = ..., last_offence: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines", "last_training_json", "loop_lag_p99_ms", "loop_lag_max_ms", "suspect_events", "metrics_url", "tls_mode", "revoked_nodes", "trust", "reachability", "tunnels_to", "tunnels_from", "dial_backs_reached", "dial_backs_failed", "tunnelled_connections", "tunnelled_bytes", "relayed_to", "relay", "relayed_connections", "relayed_bytes", "loop_lag_own_p99_ms", "loop_cpu_wait_s")
+    __slots__ = ("node_id", "address", "run_id", "uptime_s", "protocol_version", "peerd_version", "event_loop", "incarnation", "peers", "data_dir", "tls", "training_json", "refused_calls", "rate_limited_calls", "rate_limit_entries", "refusal_log_lines", "last_training_json", "loop_lag_p99_ms", "loop_lag_max_ms", "suspect_events", "metrics_url", "tls_mode", "revoked_nodes", "trust", "reachability", "tunnels_to", "tunnels_from", "dial_backs_reached", "dial_backs_failed", "tunnelled_connections", "tunnelled_bytes", "relayed_to", "relay", "relayed_connections", "relayed_bytes", "loop_lag_own_p99_ms", "loop_cpu_wait_s", "seeds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class StatusReply(_message.Message):
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOOP_LAG_OWN_P99_MS_FIELD_NUMBER: _ClassVar[int]
     LOOP_CPU_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     run_id: str
@@ -113,7 +114,20 @@ class StatusReply(_message.Message):
     relayed_bytes: int
     loop_lag_own_p99_ms: float
     loop_cpu_wait_s: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ..., last_training_json: _Optional[str] = ..., loop_lag_p99_ms: _Optional[float] = ..., loop_lag_max_ms: _Optional[float] = ..., suspect_events: _Optional[int] = ..., metrics_url: _Optional[str] = ..., tls_mode: _Optional[str] = ..., revoked_nodes: _Optional[int] = ..., trust: _Optional[str] = ..., reachability: _Optional[str] = ..., tunnels_to: _Optional[_Iterable[str]] = ..., tunnels_from: _Optional[_Iterable[str]] = ..., dial_backs_reached: _Optional[int] = ..., dial_backs_failed: _Optional[int] = ..., tunnelled_connections: _Optional[int] = ..., tunnelled_bytes: _Optional[int] = ..., relayed_to: _Optional[_Iterable[str]] = ..., relay: _Optional[bool] = ..., relayed_connections: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., loop_lag_own_p99_ms: _Optional[float] = ..., loop_cpu_wait_s: _Optional[float] = ...) -> None: ...
+    seeds: _containers.RepeatedCompositeFieldContainer[SeedStatus]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., peerd_version: _Optional[str] = ..., event_loop: _Optional[str] = ..., incarnation: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., data_dir: _Optional[str] = ..., tls: _Optional[bool] = ..., training_json: _Optional[str] = ..., refused_calls: _Optional[int] = ..., rate_limited_calls: _Optional[int] = ..., rate_limit_entries: _Optional[int] = ..., refusal_log_lines: _Optional[int] = ..., last_training_json: _Optional[str] = ..., loop_lag_p99_ms: _Optional[float] = ..., loop_lag_max_ms: _Optional[float] = ..., suspect_events: _Optional[int] = ..., metrics_url: _Optional[str] = ..., tls_mode: _Optional[str] = ..., revoked_nodes: _Optional[int] = ..., trust: _Optional[str] = ..., reachability: _Optional[str] = ..., tunnels_to: _Optional[_Iterable[str]] = ..., tunnels_from: _Optional[_Iterable[str]] = ..., dial_backs_reached: _Optional[int] = ..., dial_backs_failed: _Optional[int] = ..., tunnelled_connections: _Optional[int] = ..., tunnelled_bytes: _Optional[int] = ..., relayed_to: _Optional[_Iterable[str]] = ..., relay: _Optional[bool] = ..., relayed_connections: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., loop_lag_own_p99_ms: _Optional[float] = ..., loop_cpu_wait_s: _Optional[float] = ..., seeds: _Optional[_Iterable[_Union[SeedStatus, _Mapping]]] = ...) -> None: ...
+
+class SeedStatus(_message.Message):
+    __slots__ = ("address", "node_id", "failures", "last_error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    node_id: str
+    failures: int
+    last_error: str
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class SwarmRequest(_message.Message):
     __slots__ = ()
