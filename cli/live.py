@@ -146,8 +146,14 @@ class SwarmPoller:
 
 # ---- `peerd train`: plain lines ----------------------------------------------------------------------
 
+def iterations_done(p, iterations: int) -> int:
+    """Of --iterations: `p.iteration` is the last one published (0-based), and a run that finished
+    has done them all (its last line said 39/40 for 40)."""
+    return iterations if p.state in ("done", "degraded") else min(p.iteration, iterations)
+
+
 def eta(p, iterations: int) -> str:
-    left = iterations - p.iteration
+    left = iterations - iterations_done(p, iterations)
     if p.iterations_per_s <= 0 or left <= 0:
         return "-:--:--" if left > 0 else "0:00:00"
     s = int(left / p.iterations_per_s)
@@ -171,12 +177,13 @@ def metric_text(p, task: str = "") -> str:
 
 
 def plain_line(p, iterations: int, width: int = 28, task: str = "") -> str:
-    done = min(1.0, p.iteration / iterations) if iterations else 0.0
+    count = iterations_done(p, iterations)
+    done = count / iterations if iterations else 0.0
     bar = "#" * int(done * width) + "-" * (width - int(done * width))
     metric = metric_text(p, task)
     skipped = f"  skipped {p.skipped}" if p.skipped else ""
     skipped += f"  PARTIAL {p.partial_mixes}/{p.mixes} ({p.partial_note})" if p.partial_mixes else ""
-    return (f"[{bar}] it {p.iteration}/{iterations}  loss {p.loss:.4f}{metric}  {p.iterations_per_s:.1f} it/s"
+    return (f"[{bar}] it {count}/{iterations}  loss {p.loss:.4f}{metric}  {p.iterations_per_s:.1f} it/s"
             f"  eta {eta(p, iterations)}  mixed with {p.peers_in_last_mix}  gap {p.gap_to_fastest:+d}{skipped}"
             f"  {p.elapsed_s:.0f}s")
 
@@ -244,9 +251,7 @@ class RichView:
                 self.progress.console.print(f"{p.state}: {p.message}" if p.message else p.state)
         self.p = p
         metric = metric_text(p, self.task)
-        # iteration: the last one published (0-based); a finished run has done them all
-        done = self.iterations if p.state in ("done", "degraded") else min(p.iteration, self.iterations)
-        self.progress.update(self.task, completed=done, eta=eta(p, self.iterations),
+        self.progress.update(self.task, completed=iterations_done(p, self.iterations), eta=eta(p, self.iterations),
                              rate=f"{p.iterations_per_s:.1f} it/s", stats=f"loss {p.loss:.4f}{metric}")
 
     def lines(self):

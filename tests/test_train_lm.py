@@ -285,10 +285,13 @@ def test_peerd_train_shows_bits_per_byte_for_the_gpt_task():
 
     from cli.live import bits_per_byte, plain_line
     p = SimpleNamespace(iteration=50, loss=1.2, metric_name="loss", metric=1.3862944, iterations_per_s=3.0,
-                        peers_in_last_mix=2, gap_to_fastest=0, skipped=0, elapsed_s=12.0, partial_mixes=0)
+                        peers_in_last_mix=2, gap_to_fastest=0, skipped=0, elapsed_s=12.0, partial_mixes=0,
+                        state="training")
     assert bits_per_byte("gpt", p) == pytest.approx(2.0)
     assert "val loss 1.386 (2.000 bits/byte)" in plain_line(p, 100, task="gpt")
     assert bits_per_byte("lm", p) is None and "bits/byte" not in plain_line(p, 100, task="lm")
+    p.iteration, p.state = 99, "done"        # the last one published is 99 (0-based): all 100 done
+    assert "] it 100/100 " in plain_line(p, 100) and "eta 0:00:00" in plain_line(p, 100)
 
 
 def test_init_weights_from_a_state_dict_or_a_checkpoint(tmp_path):
