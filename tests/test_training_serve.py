@@ -299,6 +299,19 @@ def test_coalescing_replaces_an_unsent_update_with_the_newest_and_loses_no_count
     assert asyncio.run(go(False)) == [0, 1, 2, 3]
 
 
+def _deciding_run(tmp_path, algorithm: str) -> tuple[TrainingRun, list]:
+    """A stand-in run whose policy decides as usual: its Mix actions collected, not computed, and
+    nothing sent."""
+    alive = types.SimpleNamespace(incarnation=1, state=types.SimpleNamespace(value="alive"))
+    membership = types.SimpleNamespace(get=lambda node: alive, alive=lambda: list(NODES))
+    run = _run(tmp_path, algorithm=algorithm, membership=membership)
+    mixes = []
+    run.mix = mixes.append
+    run.outbound.send = lambda a, once=False: None
+    run.outbound.grant = lambda dst, n: None          # Hop's tokens
+    return run, mixes
+
+
 @pytest.mark.parametrize("algorithm", ["d-psgd", "hop"])
 def test_a_finished_neighbours_last_update_is_still_mixed(tmp_path, algorithm):
     """A neighbour's FINISHED notice comes after its last update (one ordered queue per receiver),
@@ -309,13 +322,7 @@ def test_a_finished_neighbours_last_update_is_still_mixed(tmp_path, algorithm):
     from peerd.v1 import peer_pb2 as pb
 
     async def go():
-        membership = types.SimpleNamespace(get=lambda node: types.SimpleNamespace(incarnation=1),
-                                           alive=lambda: list(NODES))
-        run = _run(tmp_path, algorithm=algorithm, membership=membership)
-        mixes = []
-        run.mix = mixes.append                            # the policy's Mix, not computed
-        run.outbound.send = lambda a, once=False: None
-        run.outbound.grant = lambda dst, n: None          # Hop's tokens
+        run, mixes = _deciding_run(tmp_path, algorithm)
         run.driver.feed(ev.Published(4))
         run.driver.feed(ev.MixRequested(4))
         run.driver.feed(ev.UpdateArrived(1, 4))           # b's last update ...
@@ -330,5 +337,29 @@ def test_a_finished_neighbours_last_update_is_still_mixed(tmp_path, algorithm):
         run.on_notice("c", pb.TrainerNotice.STATE_FINISHED, 4)   # waited on: its 5 will not come
         assert 2 in run.policy.dead and run.liveness.all_gone()
         assert [sorted(j for j, _, _ in m.entries) for m in mixes][1:] == [[0]]
+
+    asyncio.run(go())
+
+
+def test_a_crashed_trainers_last_update_is_still_mixed_and_its_next_readmits_it(tmp_path):
+    """The same for a trainer that crashed (its daemon's ABSENT notice): the update it sent just
+    before is mixed, then it is absent ("restarting"), and its first update after the notice
+    brings it back."""
+    from peerd.v1 import peer_pb2 as pb
+
+    async def go():
+        run, mixes = _deciding_run(tmp_path, "d-psgd")
+        run.driver.feed(ev.Published(4))
+        run.driver.feed(ev.MixRequested(4))
+        run.driver.feed(ev.UpdateArrived(1, 4))
+        run.on_notice("b", pb.TrainerNotice.STATE_ABSENT, 4)
+        assert 1 not in run.policy.dead and not mixes
+        run.driver.feed(ev.UpdateArrived(2, 4))
+        assert [sorted(j for j, _, _ in m.entries) for m in mixes] == [[0, 1, 2]]
+        assert 1 in run.policy.dead and run.liveness.absent[1] == "restarting"
+        run.driver.feed(ev.Published(5))
+        run.liveness.heard_from(1, 5)                 # its restarted trainer's first update
+        run.driver.feed(ev.UpdateArrived(1, 5))
+        assert 1 not in run.policy.dead and 1 not in run.liveness.absent
 
     asyncio.run(go())

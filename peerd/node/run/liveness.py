@@ -8,8 +8,8 @@
   update is pushed to a returning peer (outside the policy), so that two sides of a healed
   partition, each holding the other dead, re-admit each other.
 - A live daemon whose trainer does not contribute is "absent", also PeerDown: its daemon announces
-  a crashed trainer (ABSENT) and a finished one (FINISHED) at once; a finished one counts as
-  absent once the updates it sent before its notice are mixed (`settle_finishing`). Without a
+  a crashed trainer (ABSENT) and a finished one (FINISHED) at once; the neighbour counts as
+  absent once the updates it sent before its notice are mixed (`settle_leaving`). Without a
   notice (a hung trainer, a lost message) a neighbour waited on for `train_silent_peer_timeout`
   (plus two of our own iterations, and its update's transfer allowance, peerd.node.run.bounds) is
   absent until its next update. So no host waits on a silent neighbour longer than that bound.
@@ -54,7 +54,7 @@ class PeerLiveness:
         self.model_bytes = model_bytes
         self.absent: dict[int, str] = {}      # not contributing: "restarting", "finished", "silent"
         self.absent_at: dict[int, int] = {}   # a "restarting" notice's iteration: older updates were sent before it
-        self.finishing: set[int] = set()      # finished, with an update of theirs still to be mixed
+        self.leaving: dict[int, str] = {}     # announced "finished" or "restarting", an update of theirs still to be mixed
         self.returning: set[str] = set()      # peers back in membership, not yet back in this run
         self.readmitted: dict[int, int] = {}  # re-admitted at this iteration, until its next update
         self.resync: dict[int, int] = {}      # after our restart: neighbours' iterations, applied at publish
@@ -74,8 +74,9 @@ class PeerLiveness:
             self.absent.pop(src, None)   # the failure detector's word supersedes a notice
         self.outbound.reset(src)
         self.readmitted.pop(src, None)
-        if src in self.finishing:
+        if self.leaving.get(src) == "finished":
             return                       # it left once finished: what it sent is still mixed
+        self.leaving.pop(src, None)
         self.feed(ev.PeerDown(src))
 
     def peer_up(self, node_id: str, restarted: bool = False) -> None:
@@ -95,7 +96,7 @@ class PeerLiveness:
     def back_in_run(self, node_id: str, k: int) -> None:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
         if node_id in self.returning:
-            self.finishing.discard(self.ctx.rank_of(node_id))
+            self.leaving.pop(self.ctx.rank_of(node_id), None)
             self.returning.discard(node_id)
             log.info("peer %s is back in the run at iteration %d", node_id, k)
             self.feed(ev.PeerUp(self.ctx.rank_of(node_id), max(k, 0)))
@@ -128,6 +129,9 @@ class PeerLiveness:
     def heard_from(self, src: int, k: int) -> None:
         """An update of iteration k came from `src`: an absent (restarting or silent) neighbour
         contributes again."""
+        if self.leaving.get(src) == "restarting" and k > self.absent_at.get(src, -1):
+            del self.leaving[src]        # back before what it sent last was mixed
+            self.set_absent(src, "restarting")
         why = self.absent.get(src)
         if why not in ("restarting", "silent"):
             return
@@ -147,7 +151,7 @@ class PeerLiveness:
             return
         if state == pb.TrainerNotice.STATE_ABSENT:
             self.absent_at[src] = k
-            self.set_absent(src, "restarting")
+            self.leave(src, "restarting")
         elif state == pb.TrainerNotice.STATE_RESUMING:
             self.absent_at.pop(src, None)   # it may resume from a checkpoint older than k
             # A joiner says so once its join pull is done and its trainer about to start
@@ -156,19 +160,24 @@ class PeerLiveness:
             # longer needs.
             self.back_in_run(sender, self.ctx.policy.k)
         elif state == pb.TrainerNotice.STATE_FINISHED:
-            self.finishing.add(src)
-            self.settle_finishing()
+            self.leave(src, "finished")
 
-    def settle_finishing(self) -> None:
-        """A finished neighbour stops counting (PeerDown) once no mix of ours can use what it sent.
-        Its updates came before its notice (one ordered queue per receiver), but the mix they
-        belong to may still wait on a slower neighbour: dropped at the notice, the last one was
-        left out of that mix. Also at once when the policy waits on it: by that order, what it
-        waits for will not come. Called after every batch of the policy's actions."""
+    def leave(self, src: int, why: str) -> None:
+        """`src`'s trainer stopped (`why`: "restarting", "finished"): absent once what it sent is mixed."""
+        if self.absent.get(src) == why:
+            return
+        self.leaving[src] = why
+        self.settle_leaving()
+
+    def settle_leaving(self) -> None:
+        """A neighbour whose trainer stopped counts as absent (PeerDown) once no mix of ours can
+        use what it sent. Its updates came before its notice (one ordered queue per receiver), but
+        the mix they belong to may still wait on a slower neighbour: dropped at the notice, the
+        last one was left out of that mix. Also at once when the policy waits on it: by that
+        order, what it waits for will not come. Called after every batch of the policy's actions."""
         policy = self.ctx.policy
-        for src in [s for s in self.finishing if not policy.holds(s) or s in policy.waiting.on]:
-            self.finishing.discard(src)
-            self.set_absent(src, "finished")
+        for src in [s for s in self.leaving if not policy.holds(s) or s in policy.waiting.on]:
+            self.set_absent(src, self.leaving.pop(src))
 
     def update_lost(self, node: str, kind: str, k: int) -> None:
         """Neighbour `node`'s update of iteration k failed mid-stream (cut by its deadline over a
@@ -201,7 +210,7 @@ class PeerLiveness:
 
     def all_gone(self) -> bool:
         """Every other host of the run finished or is not alive."""
-        return all(self.absent.get(i) == "finished" or i in self.finishing or not self.ctx.env.alive(self.ctx.nodes[i])
+        return all("finished" in (self.absent.get(i), self.leaving.get(i)) or not self.ctx.env.alive(self.ctx.nodes[i])
                    for i in self.ctx.others())
 
     def resynced(self) -> dict[int, int]:

@@ -181,8 +181,8 @@ class TrainingRun:
 
     def applied(self) -> None:
         self.api.answer_ready()
-        if self.liveness.finishing:
-            self.liveness.settle_finishing()
+        if self.liveness.leaving:
+            self.liveness.settle_leaving()
 
     def fed(self) -> None:
         self.mixer.accumulate()
