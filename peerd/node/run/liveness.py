@@ -96,10 +96,13 @@ class PeerLiveness:
     def back_in_run(self, node_id: str, k: int) -> None:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""
         if node_id in self.returning:
-            self.leaving.pop(self.ctx.rank_of(node_id), None)
+            src = self.ctx.rank_of(node_id)
+            self.leaving.pop(src, None)
+            if self.absent.get(src) == "finished":
+                del self.absent[src]      # a finished host back in the run trains again
             self.returning.discard(node_id)
             log.info("peer %s is back in the run at iteration %d", node_id, k)
-            self.feed(ev.PeerUp(self.ctx.rank_of(node_id), max(k, 0)))
+            self.feed(ev.PeerUp(src, max(k, 0)))
 
     def check_readmission(self, src: int, rec: Received) -> None:
         """Re-admit a returning peer at its update's iteration, and check that iteration against

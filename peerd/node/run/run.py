@@ -157,13 +157,15 @@ class TrainingRun:
 
     # --- the policy's actions (ActionSink) ----------------------------------------------------------
     def send(self, a: ev.Send) -> None:
-        self.outbound.send(a)
+        if a.dst not in self.liveness.leaving:    # its trainer stopped: nothing of ours is read there
+            self.outbound.send(a)
 
     def pull(self, a: ev.Pull) -> None:
         self.pulls.start(a)
 
     def grant(self, a: ev.Grant) -> None:
-        self.outbound.grant(a.dst, a.n)
+        if a.dst not in self.liveness.leaving:
+            self.outbound.grant(a.dst, a.n)
 
     def mix(self, a: ev.Mix) -> None:
         t0 = time.perf_counter()
