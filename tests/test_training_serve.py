@@ -341,6 +341,26 @@ def test_a_finished_neighbours_last_update_is_still_mixed(tmp_path, algorithm):
     asyncio.run(go())
 
 
+def test_two_neighbours_that_finished_together_are_settled_after_the_mix(tmp_path):
+    """Both neighbours finished, their last updates in hand before our trainer asks for the mix:
+    the mix has them both, and settling the first (a PeerDown, whose own batch settles the other)
+    does not trip over the second (a KeyError failed the trainer's Mix call)."""
+    from peerd.v1 import peer_pb2 as pb
+
+    async def go():
+        run, mixes = _deciding_run(tmp_path, "d-psgd")
+        run.driver.feed(ev.Published(4))
+        run.driver.feed(ev.UpdateArrived(1, 4))
+        run.driver.feed(ev.UpdateArrived(2, 4))
+        run.on_notice("b", pb.TrainerNotice.STATE_FINISHED, 4)
+        run.on_notice("c", pb.TrainerNotice.STATE_FINISHED, 4)
+        run.driver.feed(ev.MixRequested(4))
+        assert [sorted(j for j, _, _ in m.entries) for m in mixes] == [[0, 1, 2]]
+        assert run.liveness.absent == {1: "finished", 2: "finished"} and not run.liveness.leaving
+
+    asyncio.run(go())
+
+
 def test_a_crashed_trainers_last_update_is_still_mixed_and_its_next_readmits_it(tmp_path):
     """The same for a trainer that crashed (its daemon's ABSENT notice): the update it sent just
     before is mixed, then it is absent ("restarting"), and its first update after the notice

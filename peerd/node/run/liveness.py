@@ -180,7 +180,9 @@ class PeerLiveness:
         order, what it waits for will not come. Called after every batch of the policy's actions."""
         policy = self.ctx.policy
         for src in [s for s in self.leaving if not policy.holds(s) or s in policy.waiting.on]:
-            self.set_absent(src, self.leaving.pop(src))
+            why = self.leaving.pop(src, None)     # None: settled by the PeerDown of the one before
+            if why is not None:
+                self.set_absent(src, why)
 
     def update_lost(self, node: str, kind: str, k: int) -> None:
         """Neighbour `node`'s update of iteration k failed mid-stream (cut by its deadline over a
