@@ -1,10 +1,11 @@
 """A private Docker Engine for the tests: its own dockerd, a base image made with debootstrap, the
 image `peerd:local` built from docker/Dockerfile, and Compose v2 as the `docker compose` plugin.
 
-Nothing here touches the host's own Docker: dockerd runs on a private socket, data root, exec root,
-pidfile, config file and key file, all under one temporary directory, with no default bridge, no
-iptables rules and no change to the host's IP forwarding; its containers reach each other on the
-compose project's own bridge network and nothing else. `Engine.stop()` (also after a failure) stops
+Nothing here touches the host's own Docker: dockerd runs on a private socket, exec root, pidfile,
+config file and key file, all under one temporary directory, and a private data root kept in the
+test cache (`Engine`), with no default bridge, no iptables rules and no change to the host's IP
+forwarding; its containers reach each other on the compose project's own bridge network and nothing
+else. `Engine.stop()` (also after a failure) removes its containers, networks and volumes, stops
 dockerd by its pid, kills what is left of its own processes by pid, unmounts and deletes that
 directory, and removes the cgroups and bridge devices it made.
 
@@ -334,11 +335,18 @@ class _IndexHandler(http.server.BaseHTTPRequestHandler):
 
 
 class PackageIndex:
-    """A directory of wheels as a PEP 503 simple index on 127.0.0.1 (read-only, one build long)."""
+    """A directory of wheels as a PEP 503 simple index on 127.0.0.1 (read-only, one build long).
+    Its port is derived from the wheel directory's name where that port is free: the index URL is
+    a build argument, and the same URL is what lets the next build reuse the engine's cached
+    layers (any other port only costs that reuse)."""
 
     def __init__(self, wheels: Path) -> None:
         handler = type("Handler", (_IndexHandler,), {"wheels": wheels})
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        stable = 20000 + int(hashlib.sha256(wheels.name.encode()).hexdigest(), 16) % 10000
+        try:
+            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", stable), handler)
+        except OSError:
+            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self._server.server_port}/simple/"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -351,11 +359,25 @@ class PackageIndex:
 # --- the engine ---------------------------------------------------------------------------------
 
 class Engine:
-    """One private dockerd; `docker(...)` and `compose(...)` talk to it alone."""
+    """One private dockerd; `docker(...)` and `compose(...)` talk to it alone.
+
+    Its data root is kept in the cache (`cache_dir()/dockerd`) between runs, so that a build
+    reuses the layers below the project's own files (the base image, torch: about two minutes of
+    the suite on 2 cores), unless another engine holds it (then a temporary one, as with
+    PEERD_TEST_FRESH_ENGINE=1). The containers, networks and volumes of a run are removed at its
+    start and its end; the images only when they are no longer tagged."""
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="peerd-dockerd-", dir="/tmp"))
         self.data_root = self.root / "data"
+        self._kept_lock = None
+        if os.environ.get("PEERD_TEST_FRESH_ENGINE", "") in ("", "0"):
+            lock = open(cache_dir() / "dockerd.lock", "w")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._kept_lock, self.data_root = lock, cache_dir() / "dockerd"
+            except OSError:
+                lock.close()
         self.exec_root = self.root / "exec"
         self.socket = self.root / "docker.sock"
         self.pidfile = self.root / "docker.pid"
@@ -368,8 +390,23 @@ class Engine:
         self.bridges: set[str] = set()
         self.base = ""                              # the imported base image's tag (import_base)
 
+    @property
+    def kept(self) -> bool:
+        """Its data root outlives it (the cache's)."""
+        return self._kept_lock is not None
+
     # -- life cycle
     def start(self) -> "Engine":
+        try:
+            return self._start()
+        except RuntimeError:
+            if not self.kept:
+                raise
+            self._stop_dockerd()
+            remove_tree(self.data_root)          # a kept data root it cannot use: start afresh, once
+            return self._start()
+
+    def _start(self) -> "Engine":
         self.tools = ensure_tools()
         (self.config_dir / "cli-plugins").mkdir(parents=True)
         (self.config_dir / "cli-plugins" / "docker-compose").symlink_to(compose_binary())
@@ -392,12 +429,36 @@ class Engine:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dockerd exited {self.proc.returncode}:\n{self.log_tail()}")
             if self.socket.exists() and self.docker("version", check=False, timeout=10).returncode == 0:
+                if self.kept:
+                    self.tidy()                  # what an earlier run left (it was killed)
                 return self
             time.sleep(0.3)
         raise RuntimeError(f"dockerd did not answer within {ENGINE_START:.0f} s:\n{self.log_tail()}")
 
+    def tidy(self) -> None:
+        """Remove every container, network and volume, and the images no tag names (an earlier
+        build's, once a newer one took its tag); keep the tagged images and their layers."""
+        ids = self.docker("ps", "-aq", check=False, timeout=30).stdout.split()
+        if ids:
+            self.docker("rm", "-f", "-v", *ids, check=False)
+        for what in ("network", "volume", "image"):
+            self.docker(what, "prune", "-f", check=False)
+
     def stop(self) -> None:
-        """Stop dockerd by its pid and remove everything it made; safe to call more than once."""
+        """Stop dockerd by its pid and remove everything it made (a kept data root: all but the
+        tagged images); safe to call more than once."""
+        if self.kept and self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.tidy()
+        self._stop_dockerd()
+        remove_tree(self.root)
+        for point in mounts_under(self.data_root):   # a kept data root: what a killed dockerd left mounted
+            subprocess.run(["umount", "-l", point], capture_output=True, timeout=DOCKER_TIMEOUT)
+        if self._kept_lock is not None:
+            self._kept_lock.close()
+            self._kept_lock = None
+
+    def _stop_dockerd(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(Exception):
                 for net in self.docker("network", "ls", "-q", "--no-trunc", check=False, timeout=10).stdout.split():
@@ -428,7 +489,6 @@ class Engine:
                         sub.rmdir()
             with contextlib.suppress(OSError):
                 ctl.rmdir()
-        remove_tree(self.root)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -460,6 +520,10 @@ class Engine:
         self.timings["base_debootstrap_s" if made else "base_cached_s"] = time.monotonic() - t0
         tag = f"peerd-test-base:{tarball.name.split('.')[0].rsplit('-', 1)[-1]}"
         t0 = time.monotonic()
+        if self.docker("image", "inspect", tag, check=False).returncode == 0:
+            self.timings["base_kept_s"] = time.monotonic() - t0     # imported by an earlier run
+            self.base = tag
+            return tag
         try:
             self.docker("import", "--change", "ENV LANG=C.UTF-8", str(tarball), tag)
         except RuntimeError:
