@@ -408,6 +408,12 @@ class Engine:
 
     def _start(self) -> "Engine":
         self.tools = ensure_tools()
+        if self.kept:
+            # a dockerd of an earlier run that was killed outright (its lock went with it) may
+            # still run on this data root: only ours name it
+            for pid in pids_mentioning(str(self.data_root)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         (self.config_dir / "cli-plugins").mkdir(parents=True)
         (self.config_dir / "cli-plugins" / "docker-compose").symlink_to(compose_binary())
         # The key file would go to /etc/docker/key.json (Docker 20.10) unless the config file moves it.
