@@ -160,8 +160,11 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     reaches the target, and the other host never stalls longer than train_silent_peer_timeout
     (its daemon hears of the crash at once and does not wait for the restarting trainer)."""
     ds = swarm(daemons, 2, "k", extra=["--train-silent-peer-timeout", str(STALL_BOUND)])
+    # 20 ms steps: the survivor, which hop-backup never holds, must not finish its 400 iterations
+    # while the victim's trainer restarts (3-4 s under load): a CI run resumed it at 399 from its
+    # checkpoint at 32, with nothing left to mix, and ended at accuracy 0.75
     procs = [start_train(d, "--task", "svm", "--world", "2", "--iterations", "400", "--algo", "hop-backup",
-                         "--eval-every", "100") for d in ds]
+                         "--eval-every", "100", "--step-time", "0.02") for d in ds]
     victim = ds[1]
     trainer_pid = wait_for(lambda: next((int(p) for p in subprocess.run(
         ["pgrep", "-f", "peerd.train.worker"], capture_output=True, text=True).stdout.split()
