@@ -383,3 +383,37 @@ def test_a_crashed_trainers_last_update_is_still_mixed_and_its_next_readmits_it(
         assert 1 not in run.policy.dead and 1 not in run.liveness.absent
 
     asyncio.run(go())
+
+
+def test_a_bug_in_the_run_layer_fails_the_run_loudly_and_the_daemon_serves_on(tmp_path):
+    """An exception while the run applies its policy's actions (a KeyError of this kind once
+    failed a trainer's Mix call: the trainer was restarted and the run ended "done") is a bug: the
+    run fails at once with a message that says so, the trainer's pending Mix gets an error instead
+    of a wait, and the run takes no more events. Nothing escapes to the caller (a peer's push, a
+    timer, the trainer's call)."""
+    from peerd.node.run.spec import RunError
+
+    async def go():
+        run, mixes = _deciding_run(tmp_path, "d-psgd")
+        stopped = []
+        run.supervisor.stop = lambda grace: asyncio.sleep(0, stopped.append(grace))
+
+        def broken() -> None:
+            raise KeyError(1)
+
+        run.liveness.leaving[1] = "finished"     # applied() settles leaving neighbours: it raises
+        run.liveness.settle_leaving = broken
+        waiting = asyncio.get_running_loop().create_future()
+        run.api.waiters[4] = waiting
+        run.driver.feed(ev.Published(4))          # raises inside applied(), caught by the driver
+        assert run.progress.state == "failed"
+        assert "INTERNAL ERROR" in run.progress.message and "KeyError" in run.progress.message
+        assert isinstance(waiting.exception(), RunError)
+        run.driver.feed(ev.UpdateArrived(1, 4))   # no more events in
+        run.driver.feed(ev.UpdateArrived(2, 4))
+        assert not mixes and run.policy.k == 4
+        assert run.driver.decide(ev.PullRequested(1)) == []
+        await asyncio.sleep(0.01)
+        assert stopped, "the trainer was not stopped"
+
+    asyncio.run(go())

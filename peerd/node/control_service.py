@@ -104,6 +104,8 @@ class ControlService:
             return await run.attach(request, context.time_remaining())
         except (LayoutMismatch, ValueError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: refused attach: {str(e)[:400]}")
+        except Exception as e:  # noqa: BLE001 - a bug: the run fails, the daemon serves on
+            await self._internal_error(run, "Attach", e, context)
 
     def _layout_problem(self, request: cpb.AttachRequest) -> str:
         """Why the trainer's layout cannot be taken ("" when it can): bounded in entries, names,
@@ -133,6 +135,8 @@ class ControlService:
             run.api.publish(request)
         except RunError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+        except Exception as e:  # noqa: BLE001
+            await self._internal_error(run, "Publish", e, context)
         return cpb.PublishReply()
 
     @staticmethod
@@ -158,6 +162,18 @@ class ControlService:
             return await run.api.mix(request)
         except RunError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peerd: {e}")
+        except Exception as e:  # noqa: BLE001
+            await self._internal_error(run, "Mix", e, context)
+
+    @staticmethod
+    async def _internal_error(run: TrainingRun, call: str, e: Exception, context) -> None:
+        """A trainer's call hit a bug in the daemon: the run fails loudly (not a trainer crash,
+        restarted and forgotten), the trainer gets INTERNAL saying so, the daemon serves on."""
+        log.exception("internal error in the trainer's %s call", call)
+        what = clip(f"{type(e).__name__}: {e}", 200)
+        run.internal_error(f"{what} in the trainer's {call} call")
+        await context.abort(grpc.StatusCode.INTERNAL, f"peerd: internal error in {call}, a peerd bug: {what}; "
+                                                      f"the run is stopped (the daemon log has the traceback)")
 
     async def ReportMetrics(self, request_iterator, context) -> cpb.MetricAck:
         async for metric in request_iterator:

@@ -2,8 +2,9 @@
 
 The policy (peerd.sync) never reads a clock nor does I/O; this is the one place that calls it with
 the time, arms the timer a Wait asks for, and hands each action to the piece that carries it out
-(an `ActionSink`: the run's coordinator, which delegates). A policy that raises fails the run; it
-never takes the daemon down.
+(an `ActionSink`: the run's coordinator, which delegates). A policy, or the code applying its
+actions, that raises is a bug: the run fails at once, loudly (its state can no longer be trusted),
+and the daemon serves on.
 """
 from __future__ import annotations
 
@@ -39,26 +40,46 @@ class PolicyDriver:
         self.sink = sink
         self.on_error = on_error
         self.timer: asyncio.TimerHandle | None = None
+        self.broken = False     # a bug was hit: no more events in (the run is failing)
 
     def feed(self, event: ev.Event) -> None:
+        if self.broken:
+            return
         try:
             actions = self.policy.on_event(event, time.monotonic())
-        except Exception:  # noqa: BLE001 - a policy bug must not take the daemon down
-            log.exception("policy %s failed on %r", self.policy.name, event)
-            self.on_error(f"policy error on {type(event).__name__}")
+        except Exception as e:  # noqa: BLE001 - a policy bug must not take the daemon down
+            self._bug(f"policy {self.policy.name} failed on {event!r}", e)
             return
         self.apply_all(actions)
-        self.sink.fed()
+        if not self.broken:
+            self.sink.fed()
 
     def decide(self, event: ev.Event) -> list[ev.Action]:
         """The policy's actions for `event`, not applied: the caller takes what it answers itself
         (a pull's reply) and applies the rest with apply_all."""
-        return self.policy.on_event(event, time.monotonic())
+        if self.broken:
+            return []
+        try:
+            return self.policy.on_event(event, time.monotonic())
+        except Exception as e:  # noqa: BLE001
+            self._bug(f"policy {self.policy.name} failed on {event!r}", e)
+            return []
 
     def apply_all(self, actions: list[ev.Action]) -> None:
-        for action in actions:
-            self.apply(action)
-        self.sink.applied()
+        if self.broken:
+            return
+        try:
+            for action in actions:
+                self.apply(action)
+            self.sink.applied()
+        except Exception as e:  # noqa: BLE001 - the run layer's bug must not take the daemon down
+            self._bug(f"applying {actions!r}", e)
+
+    def _bug(self, doing: str, e: Exception) -> None:
+        log.exception("internal error %s", doing)
+        self.broken = True
+        self.stop()
+        self.on_error(f"{type(e).__name__}: {e} while {doing}"[:400])
 
     def apply(self, a: ev.Action) -> None:
         s = self.sink

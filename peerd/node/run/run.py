@@ -94,7 +94,7 @@ class TrainingRun:
         self.replanner = None                  # peerd.node.run.autoplan.Replanner, for `--algo auto`
         self._tasks: set[asyncio.Task] = set()
         cfg = env.cfg
-        self.driver = PolicyDriver(policy, self, self.fail)
+        self.driver = PolicyDriver(policy, self, self.internal_error)
         self.passes = Passes()
         # Snapshots stay in the trainer's slot where nobody pulls them at any moment (pull policies
         # answer pulls with our newest parameters whenever they come).
@@ -320,6 +320,18 @@ class TrainingRun:
         self.progress.state, self.progress.message = "failed", message
         log.error("run failed: %s", message)
         self.changed.set()
+
+    def internal_error(self, what: str) -> None:
+        """A bug in the daemon's run layer (the policy, or the code applying its actions): what it
+        holds can no longer be trusted, so the run fails now, loudly, and its trainer is stopped.
+        Left to propagate, the error failed the trainer's Mix call, the trainer was restarted and
+        the run could end "done" with the bug in no line the user reads."""
+        if self.progress.state == "failed":
+            return
+        self.fail(f"INTERNAL ERROR in this daemon, a peerd bug (not your trainer's): {what}. The run is "
+                  f"stopped; the daemon log has the traceback: please report it")
+        self.api.fail_waiters(RunError("the run failed: an internal error in the daemon (see its log)"))
+        self._spawn(self.supervisor.stop(self.ctx.cfg.node.shutdown_grace + 2), "stop the trainer")
 
     async def stop(self) -> None:
         """Stop the trainer (SIGTERM, then SIGKILL after the bound) and free every buffer. A run

@@ -86,7 +86,7 @@ class TrainerSupervisor:
             with open(log_path, "ab") as logf:
                 # subprocess uses vfork+exec: no fork handlers run in a child of a process whose
                 # gRPC threads are busy (a plain fork there can crash or hang the child).
-                if p.state == "stopping":
+                if p.state in ("stopping", "failed"):
                     break  # stop() came while we waited: never start a trainer nobody will stop
                 # Its own process group: Ctrl+C at the daemon's terminal reaches the daemon only,
                 # which stops the trainer in order (a trainer killed first looked like a crash).
@@ -101,6 +101,8 @@ class TrainerSupervisor:
                 code = await asyncio.to_thread(self.process.wait)
                 if hint is not None:
                     hint.cancel()
+            if p.state == "failed":   # the run failed meanwhile (internal_error): no restart, no "done"
+                break
             if code == 0:
                 self._finished()
                 break
@@ -124,7 +126,7 @@ class TrainerSupervisor:
             log.warning("trainer exited %d (%s); restarting (%d of %d)", code, why, p.restarts, cfg.max_restarts)
             self.changed.set()
             await asyncio.sleep(cfg.restart_delay)
-            if p.state == "stopping":
+            if p.state in ("stopping", "failed"):
                 break
             p.state, p.message = "training", f"trainer restarted ({p.restarts} of {cfg.max_restarts})"
         self.done.set()
