@@ -311,7 +311,7 @@ class TrainConfig:
     attach_timeout: float = _f(600.0, "seconds a trainer's Attach may take: a host joining a running swarm "
                                       "pulls a neighbour's parameters within it (1 GB over 50 Mbit: 160 s)")
     join_min_lead: int = _f(4, "iterations the swarm must be ahead of this host's own checkpoint before a "
-                                  "joining host starts from a neighbour's parameters instead")
+                                  "joining host, or a restarted trainer, starts from a neighbour's parameters instead")
     update_max_abs: float = _f(1e6, "largest |value| accepted in a peer's parameters (0: no bound); "
                                     "larger updates are dropped and counted against the peer", key='update_max_abs')
     update_max_norm_ratio: float = _f(100.0, "largest ratio of a peer's parameter norm to our own accepted "

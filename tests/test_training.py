@@ -156,9 +156,10 @@ STALL_SLACK = 2.5
 
 
 def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
-    """SIGKILL one host's trainer mid-run: its daemon restarts it from the checkpoint, the run
-    reaches the target, and the other host never stalls longer than train_silent_peer_timeout
-    (its daemon hears of the crash at once and does not wait for the restarting trainer)."""
+    """SIGKILL one host's trainer mid-run: its daemon restarts it (from the other host's parameters:
+    that one ran on, past its checkpoint), the run reaches the target, and the other host never
+    stalls longer than train_silent_peer_timeout (its daemon hears of the crash at once and does
+    not wait for the restarting trainer)."""
     ds = swarm(daemons, 2, "k", extra=["--train-silent-peer-timeout", str(STALL_BOUND)])
     # 20 ms steps: the survivor, which hop-backup never holds, must not finish its 400 iterations
     # while the victim's trainer restarts (3-4 s under load): a CI run resumed it at 399 from its
@@ -181,6 +182,8 @@ def test_trainer_killed_mid_run_restarts_from_checkpoint(daemons):
     print(f"longest stall of the other host: {stall:.2f}s at iteration {where} (bound {STALL_BOUND}s); "
           f"the trainer was down {resumed - crash:.1f}s")
     assert stall <= STALL_BOUND + STALL_SLACK, stall
+    # the survivor ran on while the trainer restarted: its checkpoint is too old to resume from
+    assert "trainer restarted from" in victim.read_log(), victim.read_log()[-3000:]
     for records in runs:
         assert records[-1]["state"] == "done" and records[-1]["metric"] >= 0.8
 

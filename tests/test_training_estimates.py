@@ -164,11 +164,12 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
 
 
 def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0, budget=None, theirs=None,
-            **overrides):
+            restarted_at=None, **overrides):
     """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
     a2 answers the join pull at iteration `neighbour_at` (NOT_FOUND when asked for a later one, as
     a daemon does), the other members are at `theirs` (rank -> iteration; by default they have
-    published nothing yet). Returns the run, the reply and
+    published nothing yet). With `restarted_at`, a restarted trainer attaches instead, told to
+    resume at that iteration (catch_up). Returns the run, the reply and
     the iterations the pulls asked for (`asked`) and were answered with whole models (`moved`)."""
     cfg = Config().replace(run_id="t", **overrides)
     alive = types.SimpleNamespace(address="x:1", state=types.SimpleNamespace(value="alive"))
@@ -197,7 +198,10 @@ def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0,
         async def member_iterations(quiet=False, every=False):
             return {i: (theirs or {}).get(i, -1) for i in range(1, len(NODES))}
         run.resume.member_iterations = member_iterations
-        reply, note = await run.resume.join_swarm(cpb.AttachReply(), budget)
+        if restarted_at is None:
+            reply, note = await run.resume.join_swarm(cpb.AttachReply(), budget)
+        else:
+            reply, note = await run.resume.catch_up(cpb.AttachReply(start_iteration=restarted_at), budget)
         cancel_tasks(run)
         return run, reply, types.SimpleNamespace(asked=asked, moved=moved, note=note)
     run, reply, pulls = asyncio.run(go())
@@ -408,3 +412,17 @@ def test_a_pause_notice_covers_the_one_update_the_trainer_may_still_publish(tmp_
         return sent
     sent = asyncio.run(go())
     assert sorted(sent) == [(1, Notice(pb.TrainerNotice.STATE_ABSENT, 42)), (2, Notice(pb.TrainerNotice.STATE_ABSENT, 42))]
+
+
+def test_a_restarted_trainer_far_behind_starts_from_a_neighbours_parameters(tmp_path):
+    """A trainer restarted at the run's iteration (40) with a checkpoint of iteration 10 (they come
+    every train_checkpoint_every iterations) resumed with parameters 30 iterations stale: it starts
+    from a neighbour's instead, at its own resume point. A recent checkpoint moves no model."""
+    run, reply, pulls = _joiner(tmp_path / "old", "d-psgd", neighbour_at=41, own_checkpoint=10, restarted_at=40)
+    assert reply.start_from_slot and reply.start_iteration == 41 and pulls.moved == ["a2"]
+    assert {m for _, m in pulls.asked} == {15}
+    assert pulls.note.startswith("trainer restarted from a2's parameters of iteration 41 at iteration 41")
+    run, reply, pulls = _joiner(tmp_path / "lower", "d-psgd", neighbour_at=38, own_checkpoint=10, restarted_at=40)
+    assert reply.start_from_slot and reply.start_iteration == 40, reply   # never behind the resume point
+    run, reply, pulls = _joiner(tmp_path / "recent", "d-psgd", neighbour_at=41, own_checkpoint=37, restarted_at=40)
+    assert not reply.start_from_slot and reply.start_iteration == 40 and pulls.asked == [] and pulls.note == ""

@@ -9,7 +9,9 @@
 - A restarted trainer resumes at the run's iteration, not its own: the daemon asks the live
   neighbours (RESUMING) for theirs and starts at the lowest of them (never behind itself), then
   resets its token edges as a PeerUp from each at its first publish (PeerLiveness.resync).
-  Resuming where it crashed would hold the neighbours that ran on at Hop's gap bound.
+  Resuming where it crashed would hold the neighbours that ran on at Hop's gap bound. When its own
+  checkpoint is more than `train_join_min_lead` iterations behind that point, it starts from a
+  live neighbour's parameters, as a joiner does.
 """
 from __future__ import annotations
 
@@ -76,51 +78,16 @@ class Resume:
         join_pull_timeout plus the model's transfer allowance over the measured link (a big model
         over a WAN takes minutes), all within `budget` (the trainer's Attach deadline). Returns the
         reply and the note ("" when nothing was decided)."""
-        ctx, env = self.ctx, self.ctx.env
+        ctx = self.ctx
         if ctx.policy.k >= 0 or self.join_note:
             return reply, ""                 # a restarted trainer of a run already under way here
         cfg = ctx.cfg.train
         own = checkpoint_iteration(self.checkpoint_dir)
-        wanted = max(own, 0) + cfg.join_min_lead + 1
-        layout = self.mixer.layout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (cfg.attach_timeout if budget is None else budget) - JOIN_REPLY_MARGIN
-        not_ahead, note = [], ""
-        for node in self._candidates():
-            member = env.membership.get(node)
-            if member is None:
-                continue
-            bound = min(cfg.join_pull_timeout + transfer_allowance(env, layout.total_bytes, node),
-                        deadline - loop.time())
-            if bound <= 0:
-                log.warning("join: the trainer's Attach deadline is spent (train_attach_timeout, or the "
-                            "trainer's own); starting without the swarm's parameters")
-                break
-            t0 = loop.time()
-            try:
-                rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=ctx.kind("model"),
-                                                                   min_iteration=wanted), bound)
-            except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-                if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND:
-                    not_ahead.append(node)   # nothing at or after `wanted` (or nothing yet)
-                else:
-                    log.info("join: no parameters from %s within %.0f s (%s)", node, bound,
-                             getattr(e, "reason", type(e).__name__))
-                continue
-            try:
-                k = rec.iteration
-                if rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
-                    log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
-                    continue
-                log.info("join: %.0f MB of parameters from %s in %.1f s", rec.nbytes / 1e6, node, loop.time() - t0)
-                await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
-                reply.start_iteration, reply.start_from_slot = k, True
-                note = (f"started from {node}'s parameters of iteration {k}: "
-                        + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
-            finally:
-                rec.release()
-            break
-        if not note:
+        pulled, not_ahead = await self._pull_ahead(max(own, 0) + cfg.join_min_lead + 1, reply, budget)
+        if pulled:
+            note = (f"started from {pulled}'s parameters of iteration {reply.start_iteration}: "
+                    + (f"own checkpoint (iteration {own}) is older" if own >= 0 else "no own checkpoint"))
+        else:
             if own < 0 or not not_ahead:
                 return reply, ""             # a calm start, or nobody answered
             note = (f"resumed from own checkpoint of iteration {own}: no live neighbour "
@@ -148,6 +115,72 @@ class Resume:
         self.join_note = reply.join_note = note
         log.info("join: %s", note)
         return reply, note
+
+    async def catch_up(self, reply: cpb.AttachReply, budget: float | None = None) -> tuple[cpb.AttachReply, str]:
+        """A restarted trainer resumes at the run's iteration (resume_point) but from its own
+        checkpoint, which may be far older: checkpoints come every train_checkpoint_every
+        iterations, and the run went on while it was down. More than join_min_lead behind, it
+        starts from a live neighbour's parameters instead (pulled as a joiner's are; nobody waits
+        on it meanwhile: its neighbours hold it absent until its next update), keeping its
+        iteration. Returns the reply and the note ("" when its own checkpoint is recent)."""
+        own = checkpoint_iteration(self.checkpoint_dir)
+        lead = self.ctx.cfg.train.join_min_lead
+        if reply.start_iteration - max(own, 0) <= lead:
+            return reply, ""
+        start = reply.start_iteration
+        pulled, _ = await self._pull_ahead(max(own, 0) + lead + 1, reply, budget)
+        if not pulled:
+            return reply, ""
+        note = (f"trainer restarted from {pulled}'s parameters of iteration {reply.start_iteration} at iteration "
+                f"{max(start, reply.start_iteration)}: " + (f"own checkpoint (iteration {own}) is older" if own >= 0
+                                                            else "no own checkpoint"))
+        reply.start_iteration = max(start, reply.start_iteration)
+        reply.join_note = note
+        log.info("%s", note)
+        return reply, note
+
+    async def _pull_ahead(self, wanted: int, reply: cpb.AttachReply,
+                          budget: float | None) -> tuple[str, list[str]]:
+        """Pull the first live neighbour's parameters of iteration `wanted` or later into slot 0
+        (reply.start_iteration and start_from_slot set); returns who answered them ("" when
+        nobody did) and who had nothing that far ahead."""
+        env, cfg = self.ctx.env, self.ctx.cfg.train
+        layout = self.mixer.layout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (cfg.attach_timeout if budget is None else budget) - JOIN_REPLY_MARGIN
+        not_ahead: list[str] = []
+        for node in self._candidates():
+            member = env.membership.get(node)
+            if member is None:
+                continue
+            bound = min(cfg.join_pull_timeout + transfer_allowance(env, layout.total_bytes, node),
+                        deadline - loop.time())
+            if bound <= 0:
+                log.warning("join: the trainer's Attach deadline is spent (train_attach_timeout, or the "
+                            "trainer's own); starting without the swarm's parameters")
+                break
+            t0 = loop.time()
+            try:
+                rec = await asyncio.wait_for(env.peers.pull_tensor(member.address, node, kind=self.ctx.kind("model"),
+                                                                   min_iteration=wanted), bound)
+            except (TransferError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                if getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND:
+                    not_ahead.append(node)   # nothing at or after `wanted` (or nothing yet)
+                else:
+                    log.info("join: no parameters from %s within %.0f s (%s)", node, bound,
+                             getattr(e, "reason", type(e).__name__))
+                continue
+            try:
+                if rec.nbytes != layout.total_bytes or not all(all_finite(t) for t in layout.typed(rec.buffer)):
+                    log.warning("join: parameters from %s unusable (size or NaN/Inf); trying another", node)
+                    continue
+                log.info("join: %.0f MB of parameters from %s in %.1f s", rec.nbytes / 1e6, node, loop.time() - t0)
+                await self.mixer.passes.submit(self.mixer.slots[0].copy_, rec.buffer)
+                reply.start_iteration, reply.start_from_slot = rec.iteration, True
+                return node, not_ahead
+            finally:
+                rec.release()
+        return "", not_ahead
 
     def _candidates(self) -> list[str]:
         """Live run members, nearest rank first (a ring neighbour is freshest)."""

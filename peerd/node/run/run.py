@@ -298,10 +298,15 @@ class TrainingRun:
 
     # --- the trainer ----------------------------------------------------------------------------------
     async def attach(self, req: cpb.AttachRequest, budget: float | None = None) -> cpb.AttachReply:
-        """The trainer attaches; at the first attach a host joining a running swarm may start from
-        a neighbour's parameters (peerd.node.run.resume), within `budget` seconds (the Attach
-        call's deadline; None: train_attach_timeout)."""
-        reply, note = await self.resume.join_swarm(await self.api.attach(req), budget)
+        """The trainer attaches; at the first attach a host joining a running swarm, and a
+        restarted trainer whose checkpoint is old, may start from a neighbour's parameters
+        (peerd.node.run.resume), within `budget` seconds (the Attach call's deadline; None:
+        train_attach_timeout)."""
+        reply = await self.api.attach(req)
+        if self.progress.restarts and self.policy.k >= 0:
+            reply, note = await self.resume.catch_up(reply, budget)
+        else:
+            reply, note = await self.resume.join_swarm(reply, budget)
         if note:
             self.progress.message = note
             self.changed.set()

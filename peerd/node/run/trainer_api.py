@@ -79,6 +79,10 @@ class TrainerApi:
             self.replay_early()
         if mixer.acc is not None:
             mixer.acc.stop()   # a restarted trainer: the slots are its own until it publishes
+        for k in list(self.snapshots.slot_held):
+            # A trainer that crashed before its Mix(k) was answered left snapshot k in its slot,
+            # which the new one writes at once: a push still streaming it goes on from a copy.
+            await self.snapshots.release_slot(k)
         policy = self.ctx.policy
         start = max(policy.k + 1, 0)
         if self.progress.restarts and policy.k >= 0:
