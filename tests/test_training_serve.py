@@ -417,3 +417,29 @@ def test_a_bug_in_the_run_layer_fails_the_run_loudly_and_the_daemon_serves_on(tm
         assert stopped, "the trainer was not stopped"
 
     asyncio.run(go())
+
+
+def test_mixes_alone_after_every_neighbour_finished_are_counted_and_said_at_the_end(tmp_path):
+    """With a per-host budget the slow host of an asynchronous algorithm trains on alone once the
+    others are done: not a partial mix (they finished), but the end of its run says how many, and
+    for NetMax and AD-PSGD how to keep the swarm together."""
+    from peerd.v1 import peer_pb2 as pb
+
+    async def go(algorithm: str) -> str:
+        run, _ = _deciding_run(tmp_path / algorithm, algorithm)
+        run.outbound.announce = lambda state, k=None: None   # our FINISHED, at the end
+        for node in ("b", "c"):
+            run.on_notice(node, pb.TrainerNotice.STATE_FINISHED, 3)
+        run._account_mix(4, {run.rank})                  # alone: both neighbours finished
+        run._account_mix(5, {run.rank})
+        run.liveness.absent.pop(2)                       # c is back: an alone mix is not "after all"
+        run._account_mix(6, {run.rank, 1})
+        assert run.ledger.after_all_finished == 2 and run.ledger.partial == 0, run.ledger.state()
+        run.supervisor._finished()
+        return run.progress.message
+
+    message = asyncio.run(go("ad-psgd"))
+    assert message.startswith("trainer finished; 2 of 3 mixes had no neighbour: they had all finished"), message
+    assert "--budget swarm" in message
+    message = asyncio.run(go("d-psgd"))
+    assert "2 of 3 mixes had no neighbour" in message and "--budget" not in message, message

@@ -90,14 +90,26 @@ class MixLedger:
     def __init__(self) -> None:
         self.total = 0
         self.partial = 0
+        self.after_all_finished = 0   # mixes with no neighbour because every one had finished
         self.left_out: collections.Counter[tuple[str, str]] = collections.Counter()   # (node, reason)
 
-    def record(self, left_out: dict[str, str]) -> None:
+    def record(self, left_out: dict[str, str], alone: bool = False) -> None:
         self.total += 1
         for node, reason in left_out.items():
             self.left_out[(node, reason)] += 1
         if any(reason in PARTIAL_REASONS for reason in left_out.values()):
             self.partial += 1
+        elif alone and left_out and all(reason == "finished" for reason in left_out.values()):
+            self.after_all_finished += 1
+
+    def alone_note(self, hint: str = "") -> str:
+        """What the end of a run says when its host went on alone once its neighbours were done
+        (with a per-host budget the slow host of an asynchronous algorithm does; "" when it did
+        not)."""
+        if not self.after_all_finished:
+            return ""
+        return (f"{self.after_all_finished} of {self.total} mixes had no neighbour: they had all finished"
+                + (f" ({hint})" if hint else ""))
 
     def mostly_partial(self, share: float) -> bool:
         return self.total > 0 and self.partial > share * self.total
@@ -110,7 +122,8 @@ class MixLedger:
         by: dict[str, dict[str, int]] = {}
         for (node, reason), n in self.left_out.items():
             by.setdefault(node, {})[reason] = n
-        return {"total": self.total, "partial": self.partial, "left_out": by}
+        return {"total": self.total, "partial": self.partial, "after_all_finished": self.after_all_finished,
+                "left_out": by}
 
 
 class Timings:

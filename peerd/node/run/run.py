@@ -234,7 +234,7 @@ class TrainingRun:
         left_out = {ctx.nodes[j]: "lost" if j in lost else self.liveness.why_missing(j, k)
                     for j in self.topology.in_neighbors(ctx.rank, max(k, 0))
                     if j != ctx.rank and ctx.nodes[j] and j not in sources}
-        self.ledger.record(left_out)
+        self.ledger.record(left_out, alone=sources <= {ctx.rank})
 
     def _replay_early(self) -> None:
         for rec in self.updates.take_early():

@@ -151,6 +151,12 @@ class TrainerSupervisor:
             p.message = (f"DEGRADED: {ledger.partial} of {ledger.total} mixes left out a neighbour "
                          f"({ledger.note()}); this host trained mostly alone ({p.message})")
             log.error("%s", p.message)
+        elif ledger.after_all_finished:
+            spec = self.ctx.spec
+            hint = "`--budget swarm` keeps the hosts training until the swarm's total is done" \
+                if spec.algorithm in ("netmax", "ad-psgd") and not spec.swarm_budget else ""
+            p.message += "; " + ledger.alone_note(hint)
+            log.info("%s", p.message)
         self.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
 
     async def stop(self, grace: float) -> None:
