@@ -443,3 +443,36 @@ def test_mixes_alone_after_every_neighbour_finished_are_counted_and_said_at_the_
     assert "--budget swarm" in message
     message = asyncio.run(go("d-psgd"))
     assert "2 of 3 mixes had no neighbour" in message and "--budget" not in message, message
+
+
+def test_a_peer_back_after_it_was_down_gets_our_finished_notice_again(tmp_path):
+    """Our trainer finished; a neighbour found down meanwhile had its queue abandoned, our
+    FINISHED in it. Back, it gets the notice again (behind our newest update), or it would wait
+    on us until its silent bound. A finished run stopped while it drains (a new `peerd train`)
+    sends what it has queued before its senders go."""
+    from peerd.v1 import peer_pb2 as pb
+
+    async def go():
+        told, hold = [], asyncio.Event()
+
+        async def notice_trainer(address, tag, state, k):
+            await hold.wait()                         # c's link is cut: nothing gets through
+            told.append((address, state, k))
+            return 0
+        alive = types.SimpleNamespace(address="c:1", incarnation=1, state=types.SimpleNamespace(value="alive"))
+        peers = types.SimpleNamespace(notice_trainer=notice_trainer)
+        run = _run(tmp_path, algorithm="d-psgd", peers=peers,
+                   membership=types.SimpleNamespace(get=lambda node: alive, alive=lambda: list(NODES)))
+        run.policy.k = 9
+        run.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
+        assert run.outbound.notices_pending == 2
+        run.peer_down("c")                           # abandoned: c's queue and the notice in it
+        assert run.outbound.notices_pending == 1
+        run.peer_up("c")
+        assert run.outbound.notices_pending == 2
+        run.progress.state = "done"
+        hold.set()
+        await asyncio.wait_for(run.stop(), 10)        # stopped while draining: the notices go first
+        assert sorted(told) == [("c:1", pb.TrainerNotice.STATE_FINISHED, 9)] * 2, told
+
+    asyncio.run(go())

@@ -92,6 +92,7 @@ class PeerLiveness:
         self.returning.add(node_id)
         if self.snapshots.live_k >= 0 and not restarted:
             self.outbound.send(ev.Send(src, ev.CURRENT), once=True)   # our newest, as soon as it is held
+        self.outbound.tell_finished(src)                               # behind it, when our trainer is done
 
     def back_in_run(self, node_id: str, k: int) -> None:
         """A returning peer's run reached us (an update or a pull): re-admit it at iteration k."""

@@ -24,6 +24,7 @@ from peerd.node.run.bounds import transfer_allowance
 from peerd.node.run.context import RunContext
 from peerd.node.run.snapshots import Snapshots
 from peerd.sync import events as ev
+from peerd.v1 import peer_pb2 as pb
 
 log = logging.getLogger("peerd.train")
 
@@ -65,6 +66,7 @@ class Outbound:
         self.newest: dict[int, Newest] = {}          # coalescing: dst -> its entry not yet taken
         self.deferred: list[ev.Send] = []            # sends asked for before we had parameters
         self.notices_pending = 0                     # our notices queued or in flight (a drain waits for them)
+        self.finished: Notice | None = None          # our FINISHED, once announced: a returning peer gets it too
 
     def send(self, a: ev.Send, once: bool = False) -> None:
         """Queue update a.k to a.dst. `once`: a push outside the policy (our newest to a returning
@@ -109,9 +111,19 @@ class Outbound:
         """Tell every other host of the run, each behind the updates already queued for it. `k`
         (default: our iteration) is the notice's iteration; for ABSENT, the newest update of ours
         the notice may still be followed by."""
+        notice = Notice(state, self.ctx.policy.k if k is None else k)
+        if state == pb.TrainerNotice.STATE_FINISHED:
+            self.finished = notice
         for dst in self.ctx.others():
             self.notices_pending += 1
-            self._queue(dst).put_nowait(Notice(state, self.ctx.policy.k if k is None else k))
+            self._queue(dst).put_nowait(notice)
+
+    def tell_finished(self, dst: int) -> None:
+        """A peer back after it was found down: what was queued for it was abandoned (reset), our
+        FINISHED with it; without it the peer would wait on us until its silent bound."""
+        if self.finished is not None:
+            self.notices_pending += 1
+            self._queue(dst).put_nowait(self.finished)
 
     def idle(self) -> bool:
         """No push or notice of ours queued or in flight."""

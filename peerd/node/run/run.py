@@ -342,14 +342,17 @@ class TrainingRun:
         """Stop the trainer (SIGTERM, then SIGKILL after the bound) and free every buffer. A run
         stopped before it finished (Ctrl+C in `peerd train`, a failed trainer) tells the other
         hosts first, as a finished one does: they stop waiting for us now, not after the silent
-        bound. The notice goes behind a push in flight: waited for up to half of rpc_timeout."""
+        bound. The notice goes behind a push in flight: waited for up to half of rpc_timeout
+        (a finished run's own notice too, when it is stopped while it drains)."""
         if self.progress.state not in ("done", "degraded"):
             if self.progress.state != "failed":
                 self.progress.state = "stopping"
             self.outbound.announce(pb.TrainerNotice.STATE_FINISHED)
-            deadline = time.monotonic() + self.ctx.cfg.node.rpc_timeout / 2
-            while self.outbound.notices_pending and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+        # A finished run stopped while it drains (a new `peerd train` replaces it) may still
+        # have its FINISHED queued: cancelled, a neighbour would wait out its silent bound.
+        deadline = time.monotonic() + self.ctx.cfg.node.rpc_timeout / 2
+        while self.outbound.notices_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await self.supervisor.stop(self.ctx.cfg.node.shutdown_grace + 2)
         for task in list(self._tasks):
             task.cancel()
