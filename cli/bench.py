@@ -588,12 +588,14 @@ def tls_bench(sizes: str, reps: int, as_json: bool) -> None:
 @click.option("--ddp-steps", default=0, show_default=True,
               help="steps of the ddp contenders (0: --steps); each all-reduces the whole model")
 @click.option("--straggler", default="h1", show_default=True, help="the 2x slower host of the straggler contenders")
+@click.option("--profile", "profile_name", default="two-sites", show_default=True,
+              help="lab profile (two-sites-2: one host per site, the regime of fast compute and a slow cut)")
 @click.option("--out", "out_dir", default="bench-lowcomm", show_default=True)
 @click.option("--daemon-arg", "daemon_args", multiple=True,
               help="extra flag for every lab daemon (repeatable), e.g. --daemon-arg=--train-mix-timeout=240")
 def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_steps: int, step_time: float,
-                batch_size: int, target: float, wall_limit: float, ddp_steps: int, straggler: str, out_dir: str,
-                daemon_args: tuple[str, ...]) -> None:
+                batch_size: int, target: float, wall_limit: float, ddp_steps: int, straggler: str, profile_name: str,
+                out_dir: str, daemon_args: tuple[str, ...]) -> None:
     """The low-communication mode against today's algorithms with the 25M gpt on the two-sites lab
     (root): time to a target validation loss, final loss, bytes per host per inner step
     (peerd.bench.lowcomm). Records in OUT/results.jsonl, the table on stdout."""
@@ -607,7 +609,7 @@ def lowcomm_cmd(init_path: str, contenders: str, seeds: int, steps: int, inner_s
     _unwind_on_signals()
     try:
         records = lowcomm.run([c.strip() for c in contenders.split(",") if c.strip()], seeds, st, Path(out_dir),
-                              straggler, echo=lambda s: click.echo(s, err=True))
+                              straggler, profile_name, echo=lambda s: click.echo(s, err=True))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     except KeyboardInterrupt:

@@ -267,6 +267,7 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
                 flags = known.get(name, ["torch DDP over gloo (peerd/bench/ddp_worker.py)"])
                 echo(f"[{name} / seed {seed}] {' '.join(flags)}")
                 rec = run_one(lb, name, flags, st, seed, out / name / f"seed{seed}", straggler, cfg, echo)
+                rec["profile"] = profile_name
                 records.append(rec)
                 with open(results, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
