@@ -39,9 +39,10 @@ def _daemon(tmp_path, cfg):
     return stand_in_env(tmp_path, cfg, "a1", link_matrix=matrix)
 
 
-def _spec(algorithm):
+def _spec(algorithm, options=None, script=()):
     return RunSpec(task="digits", algorithm=algorithm, topology="ring", world=6, iterations=10, seed=0,
-                   non_iid=False, slowdown=1.0, options={}, script=[], eval_every=0, join_timeout=1.0)
+                   non_iid=False, slowdown=1.0, options=dict(options or {}), script=list(script), eval_every=0,
+                   join_timeout=1.0)
 
 
 def test_netmax_run_feeds_link_estimates_and_pulls_its_site_neighbour_most(tmp_path):
@@ -164,7 +165,7 @@ def test_silent_check_waits_out_each_neighbours_transfer_allowance(tmp_path):
 
 
 def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0, budget=None, theirs=None,
-            restarted_at=None, **overrides):
+            restarted_at=None, options=None, script=(), **overrides):
     """A run whose host attaches after a neighbour ran ahead (a skewed start looks like a join):
     a2 answers the join pull at iteration `neighbour_at` (NOT_FOUND when asked for a later one, as
     a daemon does), the other members are at `theirs` (rank -> iteration; by default they have
@@ -189,7 +190,7 @@ def _joiner(tmp_path, algorithm, neighbour_at=20, own_checkpoint=-1, pull_s=0.0,
                        peers=types.SimpleNamespace(pull_tensor=pull_tensor))
 
     async def go():
-        run = TrainingRun(env, _spec(algorithm), NODES)
+        run = TrainingRun(env, _spec(algorithm, options, script), NODES)
         run.mixer.layout = layout
         run.mixer.slots = [torch.zeros(layout.total_bytes, dtype=torch.uint8)]
         if own_checkpoint >= 0:
@@ -426,3 +427,10 @@ def test_a_restarted_trainer_far_behind_starts_from_a_neighbours_parameters(tmp_
     assert reply.start_from_slot and reply.start_iteration == 40, reply   # never behind the resume point
     run, reply, pulls = _joiner(tmp_path / "recent", "d-psgd", neighbour_at=41, own_checkpoint=37, restarted_at=40)
     assert not reply.start_from_slot and reply.start_iteration == 40 and pulls.asked == [] and pulls.note == ""
+    # a built-in trainer that crashed before its first checkpoint: the neighbour's, not its initial ones
+    run, reply, pulls = _joiner(tmp_path / "none", "d-psgd", neighbour_at=41, restarted_at=40)
+    assert reply.start_from_slot and pulls.moved == ["a2"]
+    # not where the parameters are tied to state peerd cannot move with them
+    for name, kw in (("outer", dict(options={"outer": "diloco"})), ("script", dict(script=["my.py"]))):
+        run, reply, pulls = _joiner(tmp_path / name, "d-psgd", neighbour_at=41, restarted_at=40, **kw)
+        assert not reply.start_from_slot and pulls.asked == [], name

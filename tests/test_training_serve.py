@@ -99,7 +99,8 @@ def test_a_neighbour_back_gets_our_newest_at_once_unless_it_restarted(tmp_path):
         slot = torch.zeros(run.mixer.layout.total_bytes, dtype=torch.uint8)
         await run.snapshots.take(0, slot, run.mixer.wire)
         sent = []
-        run.liveness.outbound = _types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
+        run.liveness.outbound = _types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None,
+                                                 tell_finished=lambda dst: None)
         host = RunHost(run.ctx.env, offences=None, event=lambda *a, **k: None)
         host.training = run
         host.on_transition(Transition("b", State.ALIVE, State.DEAD))
@@ -124,7 +125,8 @@ def test_a_joiners_pull_readmits_it_only_under_a_pull_policy(tmp_path):
         run = _run(tmp_path / algorithm, algorithm=algorithm)
         await _publish(run, 5)
         sent = []
-        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
+        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None,
+                                                 tell_finished=lambda dst: None)
         run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
         run.liveness.peer_down("b")
         run.liveness.peer_up("b", restarted=True)
@@ -150,7 +152,8 @@ def test_a_joiners_resuming_notice_readmits_it_and_sends_it_our_newest(tmp_path)
         await _publish(run, 7)
         sent = []
         run.driver.apply_all = lambda actions: sent.extend(a for a in actions if type(a).__name__ == "Send")
-        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None)
+        run.liveness.outbound = types.SimpleNamespace(send=lambda a, once=False: sent.append(a), reset=lambda src: None,
+                                                 tell_finished=lambda dst: None)
         run.liveness.peer_down("b")
         run.liveness.peer_up("b", restarted=True)
         run.on_notice("c", pb.TrainerNotice.STATE_RESUMING, 3)
@@ -415,6 +418,8 @@ def test_a_bug_in_the_run_layer_fails_the_run_loudly_and_the_daemon_serves_on(tm
         assert run.driver.decide(ev.PullRequested(1)) == []
         await asyncio.sleep(0.01)
         assert stopped, "the trainer was not stopped"
+        await asyncio.wait_for(run.supervisor.supervise(), 2)   # failed before it started: no trainer
+        assert run.done.is_set() and run.progress.state == "failed"
 
     asyncio.run(go())
 
@@ -470,9 +475,11 @@ def test_a_peer_back_after_it_was_down_gets_our_finished_notice_again(tmp_path):
         assert run.outbound.notices_pending == 1
         run.peer_up("c")
         assert run.outbound.notices_pending == 2
+        run.on_notice("c", pb.TrainerNotice.STATE_RESUMING, 9)   # its run asks: our FINISHED again
+        assert run.outbound.notices_pending == 3
         run.progress.state = "done"
         hold.set()
         await asyncio.wait_for(run.stop(), 10)        # stopped while draining: the notices go first
-        assert sorted(told) == [("c:1", pb.TrainerNotice.STATE_FINISHED, 9)] * 2, told
+        assert sorted(told) == [("c:1", pb.TrainerNotice.STATE_FINISHED, 9)] * 3, told
 
     asyncio.run(go())

@@ -239,7 +239,12 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
                          "to make one)")
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = {(r["contender"], r["seed"]) for r in _read_jsonl(results)}
+    earlier = _read_jsonl(results)
+    other = {r.get("profile", "two-sites") for r in earlier} - {profile_name}
+    if other:
+        raise ValueError(f"{out} holds runs on profile {', '.join(sorted(other))}, not {profile_name}: "
+                         f"use another --out")
+    done = {(r["contender"], r["seed"]) for r in earlier}
     prof = profile.load(profile_name)
     records = []
     for seed in range(seeds) if "ddp-reference" in names else ():
@@ -247,6 +252,7 @@ def run(names: list[str], seeds: int, st: LowCommSettings, out: Path, straggler:
             continue
         echo(f"[ddp-reference / seed {seed}] DDP's loss per step, in one process (its time: the ddp runs' s/step)")
         records.append(ddp_reference(st, len(prof.hosts), st.steps, seed=seed, echo=echo))
+        records[-1]["profile"] = profile_name
         with open(results, "a") as fh:
             fh.write(json.dumps(records[-1]) + "\n")
     names = [n for n in names if n != "ddp-reference"]

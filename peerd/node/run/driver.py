@@ -70,8 +70,11 @@ class PolicyDriver:
             return
         try:
             for action in actions:
+                if self.broken:      # a nested feed hit a bug: nothing more of this batch
+                    return
                 self.apply(action)
-            self.sink.applied()
+            if not self.broken:
+                self.sink.applied()
         except Exception as e:  # noqa: BLE001 - the run layer's bug must not take the daemon down
             self._bug(f"applying {actions!r}", e)
 

@@ -163,6 +163,8 @@ class PeerLiveness:
             # lowest of its neighbours'). Our newest goes to it now, over a link its pull no
             # longer needs.
             self.back_in_run(sender, self.ctx.policy.k)
+            # Its new daemon may have had no run when our FINISHED came (dropped there): again.
+            self.outbound.tell_finished(src)
         elif state == pb.TrainerNotice.STATE_FINISHED:
             self.leave(src, "finished")
 

@@ -82,7 +82,7 @@ class Resume:
         if ctx.policy.k >= 0 or self.join_note:
             return reply, ""                 # a restarted trainer of a run already under way here
         cfg = ctx.cfg.train
-        own = checkpoint_iteration(self.checkpoint_dir)
+        own = await asyncio.to_thread(checkpoint_iteration, self.checkpoint_dir)   # a whole torch.load
         pulled, not_ahead = await self._pull_ahead(max(own, 0) + cfg.join_min_lead + 1, reply, budget)
         if pulled:
             note = (f"started from {pulled}'s parameters of iteration {reply.start_iteration}: "
@@ -122,10 +122,17 @@ class Resume:
         iterations, and the run went on while it was down. More than join_min_lead behind, it
         starts from a live neighbour's parameters instead (pulled as a joiner's are; nobody waits
         on it meanwhile: its neighbours hold it absent until its next update), keeping its
-        iteration. Returns the reply and the note ("" when its own checkpoint is recent)."""
-        own = checkpoint_iteration(self.checkpoint_dir)
+        iteration. Returns the reply and the note ("" when its own checkpoint is recent).
+
+        Not for the low-communication mode (its outer state, restored from the checkpoint, is
+        tied to the checkpoint's parameters), nor for a script without peerd's checkpoint (it may
+        restore from its own files, which peerd cannot date)."""
+        spec = self.ctx.spec
+        if spec.options.get("outer", "none") != "none":
+            return reply, ""
+        own = await asyncio.to_thread(checkpoint_iteration, self.checkpoint_dir)   # a whole torch.load
         lead = self.ctx.cfg.train.join_min_lead
-        if reply.start_iteration - max(own, 0) <= lead:
+        if (own < 0 and spec.script) or reply.start_iteration - max(own, 0) <= lead:
             return reply, ""
         start = reply.start_iteration
         pulled, _ = await self._pull_ahead(max(own, 0) + lead + 1, reply, budget)

@@ -275,7 +275,7 @@ class TrainingRun:
         actions = self.driver.decide(ev.PullRequested(src))
         answer = next((a for a in actions if isinstance(a, ev.Send) and a.dst == src), None)
         self.driver.apply_all([a for a in actions if a is not answer])
-        if answer is None:
+        if answer is None or self.driver.broken:
             log.debug("pull from %s: the policy answers nothing (%s)", requester, actions)
             return None
         return self.pulls.serve(answer)
@@ -302,7 +302,11 @@ class TrainingRun:
         restarted trainer whose checkpoint is old, may start from a neighbour's parameters
         (peerd.node.run.resume), within `budget` seconds (the Attach call's deadline; None:
         train_attach_timeout)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         reply = await self.api.attach(req)
+        if budget is not None:
+            budget -= loop.time() - t0       # a restart asked the neighbours' iterations meanwhile
         if self.progress.restarts and self.policy.k >= 0:
             reply, note = await self.resume.catch_up(reply, budget)
         else:

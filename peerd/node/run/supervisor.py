@@ -78,6 +78,10 @@ class TrainerSupervisor:
     async def supervise(self) -> None:
         """Run the trainer to completion, restarting it from its checkpoint when it crashes."""
         p, cfg = self.progress, self.ctx.cfg.train
+        if p.state == "failed":              # an internal error before the trainer started
+            self.done.set()
+            self.changed.set()
+            return
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         p.state = "training"
         self.changed.set()

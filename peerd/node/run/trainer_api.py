@@ -226,7 +226,8 @@ class TrainerApi:
         kind = cpb.Directive
         if d.kind == kind.KIND_PAUSE and not self.paused:
             self.paused = True
-            self.progress.state = "paused"
+            if self.progress.state not in ("failed", "stopping"):
+                self.progress.state = "paused"
             # The trainer pauses at its next iteration boundary, so it may publish once more
             # (k + 1) after this notice; that update must not re-admit it at the neighbours
             # (re-admitted and then silent, it would cost them a wait and partial mixes).
