@@ -237,3 +237,32 @@ def test_device_and_init_path_are_each_hosts_own_but_the_init_file_is_shared():
     assert first_difference(here, there) is None
     other = shared_spec(spec(device="cpu", init="/b/w.pt", init_sha256="y", outer="diloco"))
     assert "init_sha256" in first_difference(here, other)
+
+
+def test_a_host_that_joined_from_a_neighbour_keeps_that_models_outer_state_over_its_checkpoint():
+    """A restarted daemon whose own checkpoint is older than the run starts from a neighbour's model
+    (the exchange's `initial`). The worker then loads its checkpoint's optimizer state: its inner
+    state is taken, its x_start, public copy and momentum are not (they belong to the old model)."""
+    group = LocalGroup(1, "complete", timeout=20)
+    old = OuterOptimizer(_model().parameters(), group.worker(0), "sgd", lr=0.01, inner_steps=3)
+    old.x_start.fill_(0)
+    old.momentum.fill_(1)
+    state = old.state_dict()
+
+    class Joining:
+        def __init__(self, ex):
+            self.ex, self.rank, self.world = ex, ex.rank, ex.world
+            self.initial = None
+
+        def attach(self, layout):
+            k = self.ex.attach(layout)
+            self.initial = torch.full((layout.total_bytes // 4,), 0.5).view(torch.uint8)
+            return k
+
+    group = LocalGroup(1, "complete", timeout=20)
+    model = _model()
+    opt = OuterOptimizer(model.parameters(), Joining(group.worker(0)), "sgd", lr=0.01, inner_steps=3)
+    opt.load_state_dict(state)
+    x = opt.flat.buffer.view(torch.float32)
+    assert torch.all(x == 0.5) and torch.equal(opt.x_start, opt.flat.buffer) and torch.equal(opt.public, opt.flat.buffer)
+    assert torch.count_nonzero(opt.momentum) == 0

@@ -108,6 +108,7 @@ class OuterOptimizer:
         initial = getattr(exchange, "initial", None)
         if initial is not None:        # joining a run under way: a neighbour's public model
             self.flat.buffer.copy_(initial)
+        self.joined = initial is not None
         self.x_start = self.flat.buffer.clone()
         self.public = self.flat.buffer.clone()        # y: what was published, fragment by fragment
         self.momentum = torch.zeros_like(self.flat.buffer)
@@ -255,8 +256,12 @@ class OuterOptimizer:
                 "iteration": self.iteration}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's state. A host that joined from a neighbour's model (its own checkpoint
+        older than the run) keeps the outer state that model gave it: the checkpoint's x_start and
+        public copy belong to the checkpoint's parameters, and its momentum to that old round
+        (the first outer step would add the distance between the two models once more)."""
         self.inner.load_state_dict(state["inner"])
-        for name in ("x_start", "public", "momentum"):
+        for name in () if self.joined else ("x_start", "public", "momentum"):
             getattr(self, name).copy_(state[name])
         self.steps = int(state["steps"])
         since = [int(s) for s in state["since"]]
