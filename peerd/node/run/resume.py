@@ -41,7 +41,8 @@ def checkpoint_iteration(directory: Path) -> int:
     if not path.is_file():
         return -1
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=True)["iteration"])
+        # mmap: the tensors stay on disk (a 1 GB model's checkpoint is not read to get one int)
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iteration"])
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint is as good as none
         log.warning("checkpoint %s unreadable (%s); ignored", path, e)
         return -1
