@@ -66,8 +66,6 @@ class PolicyDriver:
             return []
 
     def apply_all(self, actions: list[ev.Action]) -> None:
-        if self.broken:
-            return
         try:
             for action in actions:
                 if self.broken:      # a nested feed hit a bug: nothing more of this batch

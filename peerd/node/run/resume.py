@@ -83,7 +83,7 @@ class Resume:
         if ctx.policy.k >= 0 or self.join_note:
             return reply, ""                 # a restarted trainer of a run already under way here
         cfg = ctx.cfg.train
-        own = await asyncio.to_thread(checkpoint_iteration, self.checkpoint_dir)   # a whole torch.load
+        own = checkpoint_iteration(self.checkpoint_dir)
         pulled, not_ahead = await self._pull_ahead(max(own, 0) + cfg.join_min_lead + 1, reply, budget)
         if pulled:
             note = (f"started from {pulled}'s parameters of iteration {reply.start_iteration}: "
@@ -131,7 +131,7 @@ class Resume:
         spec = self.ctx.spec
         if spec.options.get("outer", "none") != "none":
             return reply, ""
-        own = await asyncio.to_thread(checkpoint_iteration, self.checkpoint_dir)   # a whole torch.load
+        own = checkpoint_iteration(self.checkpoint_dir)
         lead = self.ctx.cfg.train.join_min_lead
         if (own < 0 and spec.script) or reply.start_iteration - max(own, 0) <= lead:
             return reply, ""
